@@ -1,0 +1,140 @@
+"""The tier protocol: where stored KV blocks live (CPU, disk, shared pool).
+
+Runs in the worker process (bytes) and, for ``contains_many`` only, in the
+scheduler process. One object is one block of one group for all of that
+group's layers, addressed by a ``StoreKey``. A tier never raises for I/O
+failures on the data path: a failure is a per-key result, counted in
+``stats()``, and the engine recomputes.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import NewType
+
+import numpy as np
+import numpy.typing as npt
+
+StoreKey = NewType("StoreKey", str)
+"""Names one stored block: namespace, group and block hash (see ``hashing``)."""
+
+Buffer = npt.NDArray[np.uint8]
+"""A 1-D, C-contiguous uint8 array on CPU memory (a view of a staging buffer)."""
+
+
+class GetStatus(enum.Enum):
+    OK = "ok"
+    MISS = "miss"
+    CORRUPT = "corrupt"
+    """Present but failed its integrity check (checksum, length, key)."""
+    ERROR = "error"
+    """The tier could not answer (dead server, I/O error, timeout)."""
+
+
+class PutStatus(enum.Enum):
+    OK = "ok"
+    EXISTS = "exists"
+    """Already stored under this key; the first value is kept."""
+    FULL = "full"
+    """No room now; skipped and counted, never an error for the engine."""
+    ERROR = "error"
+
+
+@dataclass(kw_only=True)
+class TierStats:
+    """Monotonic counters of one tier (reset only by a new process)."""
+
+    queries: int = 0
+    """Keys asked about in ``contains_many``."""
+    hits: int = 0
+    """Keys found by ``contains_many``."""
+    misses: int = 0
+    puts: int = 0
+    put_bytes: int = 0
+    put_skipped_full: int = 0
+    gets: int = 0
+    get_bytes: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    evictions: int = 0
+    deletes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierUsage:
+    num_objects: int
+    used_bytes: int
+    capacity_bytes: int | None
+    """None when the tier cannot tell (a shared pool)."""
+
+
+class Tier(abc.ABC):
+    """A key -> bytes store with batched calls.
+
+    Invariants every implementation keeps:
+
+    * ``get_many_into`` writes a buffer only when its status is OK, and the
+      bytes written equal what ``put_many`` stored under that key.
+    * A buffer's length is the object's exact size; a stored object of
+      another size is CORRUPT, never a partial read.
+    * Every call takes a batch and costs at most one round trip to a remote
+      server per call.
+    """
+
+    name: str = "tier"
+    load_weight: float = 1.0
+    """Relative cost of loading from this tier (lower is cheaper)."""
+
+    @abc.abstractmethod
+    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Whether each key is stored. Errors answer False (a miss)."""
+
+    @abc.abstractmethod
+    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+        """Store each buffer under its key. The tier copies the bytes."""
+
+    @abc.abstractmethod
+    def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
+        """Read each key into its buffer (exactly ``len(buffer)`` bytes)."""
+
+    @abc.abstractmethod
+    def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        """Remove keys; returns how many were present."""
+
+    @abc.abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    @abc.abstractmethod
+    def stats(self) -> TierStats: ...
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if internal bookkeeping is inconsistent."""
+
+    def close(self) -> None:
+        """Release files, sockets and memory. Idempotent."""
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_batch(keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> None:
+    """Validate a batch at the API boundary (programming errors raise)."""
+    if len(keys) != len(buffers):
+        raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers; need one buffer per key")
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
+            raise TypeError(
+                f"buffers[{i}] must be a 1-D numpy uint8 array, got "
+                f"{type(buf).__name__} {getattr(buf, 'dtype', '')} ndim={getattr(buf, 'ndim', '')}"
+            )
+        if not buf.flags.c_contiguous:
+            raise ValueError(f"buffers[{i}] must be C-contiguous")

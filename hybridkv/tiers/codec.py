@@ -1,0 +1,97 @@
+"""The checksummed object header every tier stores in front of a payload.
+
+Pure functions, any process. Layout (little endian, 48 bytes):
+
+    magic b"HKV1" | u16 version | u16 reserved | u64 payload_bytes |
+    u64 xxh3-64(payload) | 16 bytes xxh3-128(key) | 8 bytes reserved
+
+The key digest lets a reader reject an object written under another key (a
+foreign or renamed file, a hash collision in a remote store's namespace).
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import numpy as np
+import xxhash
+
+from hybridkv.tiers.base import Buffer, StoreKey
+
+MAGIC = b"HKV1"
+VERSION = 1
+_HEADER = struct.Struct("<4sHHQQ16s8x")
+HEADER_BYTES = _HEADER.size
+
+
+class HeaderError(enum.Enum):
+    BAD_MAGIC = "bad magic"
+    BAD_VERSION = "unsupported format version"
+    WRONG_KEY = "written under another key"
+    WRONG_LENGTH = "payload length differs"
+    BAD_CHECKSUM = "payload checksum mismatch"
+    TRUNCATED = "shorter than its header"
+
+
+Bytes = Buffer | bytes | memoryview
+
+
+def _view(data: Bytes) -> memoryview:
+    if isinstance(data, np.ndarray):
+        return data.data.cast("B")
+    return memoryview(data).cast("B")
+
+
+def key_digest(key: StoreKey) -> bytes:
+    return xxhash.xxh3_128_digest(key.encode())
+
+
+def checksum(payload: Bytes) -> int:
+    return int(xxhash.xxh3_64_intdigest(_view(payload)))
+
+
+def pack_header(key: StoreKey, payload: Bytes) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, 0, len(_view(payload)), checksum(payload), key_digest(key))
+
+
+def write_header_into(out: Buffer, key: StoreKey, payload: Buffer) -> None:
+    """Write the header for ``payload`` into the first HEADER_BYTES of ``out``."""
+    out[:HEADER_BYTES] = np.frombuffer(pack_header(key, payload), dtype=np.uint8)
+
+
+def verify_header(header: Bytes, key: StoreKey, payload_bytes: int) -> HeaderError | None:
+    """Check magic, version, key and length; the checksum is checked separately."""
+    raw = bytes(_view(header)[:HEADER_BYTES])
+    if len(raw) < HEADER_BYTES:
+        return HeaderError.TRUNCATED
+    magic, version, _, length, _, digest = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        return HeaderError.BAD_MAGIC
+    if version != VERSION:
+        return HeaderError.BAD_VERSION
+    if digest != key_digest(key):
+        return HeaderError.WRONG_KEY
+    if length != payload_bytes:
+        return HeaderError.WRONG_LENGTH
+    return None
+
+
+def header_checksum(header: Bytes) -> int:
+    _, _, _, _, value, _ = _HEADER.unpack(bytes(_view(header)[:HEADER_BYTES]))
+    return int(value)
+
+
+def header_length(header: Bytes) -> int:
+    _, _, _, length, _, _ = _HEADER.unpack(bytes(_view(header)[:HEADER_BYTES]))
+    return int(length)
+
+
+def verify_object(header: Bytes, key: StoreKey, payload: Buffer) -> HeaderError | None:
+    """Full check of a header against the payload read back."""
+    problem = verify_header(header, key, len(payload))
+    if problem is not None:
+        return problem
+    if header_checksum(header) != checksum(payload):
+        return HeaderError.BAD_CHECKSUM
+    return None
