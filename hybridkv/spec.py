@@ -47,6 +47,11 @@ class KVGroup:
     attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_names, str | bytes):
+            raise TypeError(
+                f"invalid KVGroup: layer_names={self.layer_names!r} must be a sequence of "
+                "layer names, not one string"
+            )
         if not isinstance(self.layer_names, tuple):
             object.__setattr__(self, "layer_names", tuple(self.layer_names))
         problems = _group_problems(self)
@@ -97,23 +102,36 @@ class KVGroup:
             "sliding_window",
             "attention_chunk_size",
         }
+        if not isinstance(data, dict):
+            raise ValueError(f"{where} must be an object, got {type(data).__name__}")
+        problems: list[str] = []
         unknown = sorted(set(data) - allowed)
         if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(allowed)}")
+            problems.append(f"unknown keys {unknown}; allowed: {sorted(allowed)}")
         missing = sorted({"kind", "block_size", "page_size_bytes", "layer_names"} - set(data))
         if missing:
-            raise ValueError(f"{where}: missing required keys {missing}")
+            problems.append(f"missing required keys {missing}")
         kinds = [k.value for k in GroupKind]
-        if data["kind"] not in kinds:
-            raise ValueError(f"{where}.kind={data['kind']!r} is not one of {kinds}")
-        return cls(
-            kind=GroupKind(data["kind"]),
-            block_size=data["block_size"],
-            page_size_bytes=data["page_size_bytes"],
-            layer_names=tuple(data["layer_names"]),
-            sliding_window=data.get("sliding_window"),
-            attention_chunk_size=data.get("attention_chunk_size"),
-        )
+        if "kind" in data and data["kind"] not in kinds:
+            problems.append(f"kind={data['kind']!r} is not one of {kinds}")
+        names = data.get("layer_names")
+        if "layer_names" in data and (
+            not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names)
+        ):
+            problems.append(f"layer_names={names!r} must be a list of strings")
+        if problems:
+            raise ValueError(f"{where}: " + "; ".join(problems))
+        try:
+            return cls(
+                kind=GroupKind(data["kind"]),
+                block_size=data["block_size"],
+                page_size_bytes=data["page_size_bytes"],
+                layer_names=tuple(data["layer_names"]),
+                sliding_window=data.get("sliding_window"),
+                attention_chunk_size=data.get("attention_chunk_size"),
+            )
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
 
 def _positive_int(name: str, value: object) -> str | None:
@@ -244,6 +262,8 @@ class KVLayoutSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayoutSpec:
+        if not isinstance(data, dict):
+            raise ValueError(f"layout must be a JSON object, got {type(data).__name__}")
         allowed = {"model_id", "scheduler_block_size", "hash_block_size", "groups"}
         unknown = sorted(set(data) - allowed)
         if unknown:
@@ -255,19 +275,23 @@ class KVLayoutSpec:
         groups: list[KVGroup] = []
         for i, raw in enumerate(raw_groups):
             try:
-                if not isinstance(raw, dict):
-                    raise ValueError(f"groups[{i}] must be an object, got {type(raw).__name__}")
                 groups.append(KVGroup.from_dict(raw, where=f"groups[{i}]"))
             except (ValueError, TypeError) as exc:
-                problems.append(f"groups[{i}]: {exc}")
+                problems.append(str(exc))
         if problems:
             raise ValueError("invalid layout: " + "; ".join(problems))
         return cls(
             groups=tuple(groups),
             scheduler_block_size=data.get("scheduler_block_size", 0),
             hash_block_size=data.get("hash_block_size", 0),
-            model_id=str(data.get("model_id", "model")),
+            model_id=_model_id(data.get("model_id", "model")),
         )
+
+
+def _model_id(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"layout: model_id={value!r} must be a non-empty string")
+    return value
 
 
 def _fingerprint(spec: KVLayoutSpec) -> str:

@@ -1,0 +1,299 @@
+"""Stable block keys: chained block hashes over token ids, and store keys built from them.
+
+Runs in the scheduler process (keys for hit lookups and for stores). Hashes never
+depend on ``PYTHONHASHSEED`` or Python's ``hash()``, so the same tokens give the
+same keys in every process, after a restart and on every machine.
+
+Encoding of one hash block (``hash_block_size`` tokens), version 1::
+
+    digest(parent || tokens || extra)
+
+* ``parent``: the previous block's digest; for the first block, the root
+  ``digest(b"hybridkv:block-hash:v1")``.
+* ``tokens``: the block's token ids as little-endian int64 (8 bytes each).
+* ``extra``: the extra keys, each ``tag (1 byte) || length (uint32 LE) || UTF-8``:
+  the LoRA name (tag ``L``) on every block, then the cache salt (tag ``S``) on
+  the first block only (the chain carries it to every later block). An empty
+  salt or LoRA name counts as none.
+* ``digest``: xxh3-128 (16 bytes, xxhash's canonical big-endian digest, seed 0)
+  or SHA-256 (32 bytes).
+
+A store key names the namespace (model, layout fingerprint, tensor-parallel
+rank), the group and the hash of the group block's last hash block:
+``{model}|{fingerprint}|tp{rank}of{size}|g{group_id}|{hash_hex}``. Keys are
+ASCII without spaces, usable as Redis/Mooncake keys.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from hybridkv.spec import KVLayoutSpec
+from hybridkv.tiers.base import StoreKey
+
+BlockHash = NewType("BlockHash", bytes)
+"""Digest of one hash block chained over every block before it."""
+
+ROOT_SEED = b"hybridkv:block-hash:v1"
+TAG_LORA = b"L"
+TAG_CACHE_SALT = b"S"
+_MAX_TOKEN_ID = 2**63 - 1
+
+
+class HashAlgo(enum.Enum):
+    XXH3_128 = "xxh3_128"
+    SHA256 = "sha256"
+
+    @classmethod
+    def parse(cls, value: str, *, where: str = "hash_algo") -> HashAlgo:
+        """The algorithm named ``value`` (case-insensitive); ValueError listing the choices."""
+        for algo in cls:
+            if isinstance(value, str) and value.lower() == algo.value:
+                return algo
+        choices = [a.value for a in cls]
+        raise ValueError(f"{where}={value!r} is not a hash algorithm; use one of {choices}")
+
+    def digest(self, data: bytes) -> BlockHash:
+        if self is HashAlgo.XXH3_128:
+            return BlockHash(xxhash.xxh3_128_digest(data))
+        return BlockHash(hashlib.sha256(data).digest())
+
+    @property
+    def digest_bytes(self) -> int:
+        return 16 if self is HashAlgo.XXH3_128 else 32
+
+
+def root_hash(algo: HashAlgo) -> BlockHash:
+    """The parent of a request's first block."""
+    return algo.digest(ROOT_SEED)
+
+
+def encode_extra(tag: bytes, value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return tag + struct.pack("<I", len(raw)) + raw
+
+
+def encode_token_ids(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int64]:
+    """Token ids as a little-endian int64 array; TypeError/ValueError for anything else."""
+    try:
+        arr = np.asarray(token_ids)
+    except (OverflowError, ValueError) as exc:
+        raise ValueError(f"token_ids must be ints in [0, 2**63): {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i8")
+    if arr.dtype.kind == "O" and all(isinstance(t, int) for t in arr):
+        raise ValueError("token_ids must be ints in [0, 2**63); got an id out of int64 range")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"token_ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and int(arr.max()) > _MAX_TOKEN_ID:
+        raise ValueError(f"token id {int(arr.max())} is out of range [0, 2**63)")
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise ValueError(f"token id {int(arr.min())} is negative; token ids must be >= 0")
+    return arr.astype("<i8", copy=False)
+
+
+def hash_block_tokens(
+    algo: HashAlgo, parent: BlockHash | None, token_bytes: bytes, extra: bytes = b""
+) -> BlockHash:
+    """One chained block hash; ``token_bytes`` is the block's encoded token ids."""
+    return algo.digest(b"".join((parent or root_hash(algo), token_bytes, extra)))
+
+
+class RequestBlockHasher:
+    """Chained hashes of one request's full hash blocks, extended incrementally.
+
+    ``extend`` hashes only the blocks that the new tokens complete; earlier
+    hashes are kept, never recomputed.
+    """
+
+    def __init__(
+        self,
+        hash_block_size: int,
+        *,
+        algo: HashAlgo = HashAlgo.XXH3_128,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        problems = []
+        if isinstance(hash_block_size, bool) or not isinstance(hash_block_size, int):
+            problems.append(f"hash_block_size={hash_block_size!r} must be an int")
+        elif hash_block_size <= 0:
+            problems.append(f"hash_block_size={hash_block_size} must be > 0")
+        if not isinstance(algo, HashAlgo):
+            problems.append(f"algo={algo!r} must be a HashAlgo (use HashAlgo.parse)")
+        for name, value in (("cache_salt", cache_salt), ("lora_name", lora_name)):
+            if value is not None and not isinstance(value, str):
+                problems.append(f"{name}={value!r} must be a str or None")
+        if problems:
+            raise ValueError("invalid RequestBlockHasher: " + "; ".join(problems))
+        self.hash_block_size = hash_block_size
+        self.algo = algo
+        self._root = root_hash(algo)
+        lora = encode_extra(TAG_LORA, lora_name) if lora_name else b""
+        salt = encode_extra(TAG_CACHE_SALT, cache_salt) if cache_salt else b""
+        self._extra_first = lora + salt
+        self._extra_rest = lora
+        self._hashes: list[BlockHash] = []
+        self._tail = np.zeros(0, dtype="<i8")
+        self._num_hash_calls = 0
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]:
+        """One hash per full hash block, in order (read-only: do not mutate)."""
+        return self._hashes
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._hashes) * self.hash_block_size + len(self._tail)
+
+    @property
+    def num_hash_calls(self) -> int:
+        """Block digests computed so far (a cost counter)."""
+        return self._num_hash_calls
+
+    def extend(self, token_ids: Sequence[int] | npt.NDArray[np.integer]) -> None:
+        """Append tokens; hash every hash block they complete."""
+        new = encode_token_ids(token_ids)
+        if new.size == 0:
+            return
+        tokens = np.concatenate((self._tail, new)) if self._tail.size else new
+        num_full = len(tokens) // self.hash_block_size
+        block_nbytes = self.hash_block_size * 8
+        data = memoryview(tokens[: num_full * self.hash_block_size].tobytes())
+        parent = self._hashes[-1] if self._hashes else self._root
+        digest = self.algo.digest
+        for i in range(num_full):
+            extra = self._extra_first if not self._hashes else self._extra_rest
+            block = data[i * block_nbytes : (i + 1) * block_nbytes]
+            parent = digest(b"".join((parent, block, extra)))
+            self._hashes.append(parent)
+        self._num_hash_calls += num_full
+        self._tail = tokens[num_full * self.hash_block_size :].copy()
+
+
+_SAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+_HEX = re.compile(r"^[0-9a-f]+$")
+_MAX_MODEL_CHARS = 64
+
+
+def sanitize_model_id(model_id: str) -> str:
+    """``model_id`` as ``[A-Za-z0-9._-]`` only; a changed or long id gets a digest suffix.
+
+    The suffix keeps two ids that sanitize alike (``a/b`` and ``a_b``) apart.
+    """
+    safe = _SAFE_CHARS.sub("_", model_id)
+    if safe == model_id and len(safe) <= _MAX_MODEL_CHARS:
+        return safe
+    suffix = hashlib.sha256(model_id.encode("utf-8")).hexdigest()[:8]
+    return f"{safe[: _MAX_MODEL_CHARS - 9]}~{suffix}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyNamespace:
+    """What keeps keys of another model, layout or tensor-parallel rank apart."""
+
+    model_id: str
+    layout_fingerprint: str
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.model_id, str) or not self.model_id:
+            problems.append(f"model_id={self.model_id!r} must be a non-empty str")
+        fp = self.layout_fingerprint
+        if not isinstance(fp, str) or not _HEX.match(fp):
+            problems.append(
+                f"layout_fingerprint={fp!r} must be lowercase hex (use KVLayoutSpec.fingerprint)"
+            )
+        for name in ("tp_rank", "tp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                problems.append(f"{name}={value!r} must be an int")
+        if not problems and self.tp_size < 1:
+            problems.append(f"tp_size={self.tp_size} must be >= 1")
+        if not problems and not 0 <= self.tp_rank < self.tp_size:
+            problems.append(f"tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})")
+        if problems:
+            raise ValueError("invalid KeyNamespace: " + "; ".join(problems))
+
+    @classmethod
+    def for_layout(
+        cls, layout: KVLayoutSpec, *, tp_rank: int = 0, tp_size: int = 1
+    ) -> KeyNamespace:
+        return cls(
+            model_id=layout.model_id,
+            layout_fingerprint=layout.fingerprint,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+
+    @property
+    def prefix(self) -> str:
+        model = sanitize_model_id(self.model_id)
+        return f"{model}|{self.layout_fingerprint}|tp{self.tp_rank}of{self.tp_size}"
+
+
+class KeyBuilder:
+    """Store keys of group blocks from a request's chained hash-block hashes.
+
+    Group ``g`` block ``i`` covers tokens ``[i * bs, (i + 1) * bs)`` with
+    ``bs = m * hash_block_size``; its key uses hash ``(i + 1) * m - 1``, which
+    chains every token before the block's end.
+    """
+
+    def __init__(self, layout: KVLayoutSpec, namespace: KeyNamespace) -> None:
+        if namespace.layout_fingerprint != layout.fingerprint:
+            raise ValueError(
+                f"namespace.layout_fingerprint={namespace.layout_fingerprint!r} does not match "
+                f"layout.fingerprint={layout.fingerprint!r}; build the namespace with "
+                "KeyNamespace.for_layout(layout)"
+            )
+        self.layout = layout
+        self.namespace = namespace
+        prefix = namespace.prefix
+        self._group_prefixes = [f"{prefix}|g{g}|" for g in range(layout.num_groups)]
+        self._hashes_per_block = [g.block_size // layout.hash_block_size for g in layout.groups]
+
+    def hashes_per_block(self, group_id: int) -> int:
+        self._check_group(group_id)
+        return self._hashes_per_block[group_id]
+
+    def num_full_blocks(self, group_id: int, num_hashes: int) -> int:
+        """Group blocks fully covered by ``num_hashes`` hash blocks."""
+        return num_hashes // self.hashes_per_block(group_id)
+
+    def keys(
+        self, group_id: int, hashes: Sequence[BlockHash], block_ids_in_group: Sequence[int]
+    ) -> list[StoreKey]:
+        """Keys of the given group-block indices; ValueError if a block is not full yet."""
+        m = self.hashes_per_block(group_id)
+        prefix = self._group_prefixes[group_id]
+        num_full = len(hashes) // m
+        keys: list[StoreKey] = []
+        for i in block_ids_in_group:
+            if not 0 <= i < num_full:
+                raise ValueError(
+                    f"group {group_id} block {i} is not complete: {len(hashes)} hashes cover "
+                    f"blocks [0, {num_full}) of {m} hash blocks each"
+                )
+            keys.append(StoreKey(prefix + hashes[(i + 1) * m - 1].hex()))
+        return keys
+
+    def _check_group(self, group_id: int) -> None:
+        if not 0 <= group_id < len(self._hashes_per_block):
+            raise ValueError(
+                f"group_id={group_id} is out of range [0, {len(self._hashes_per_block)})"
+            )

@@ -1,0 +1,304 @@
+"""KV layouts of real hybrid models, grouped the way vLLM groups them.
+
+Pure data for any process (the CLI's ``inspect``, tests, documentation). Each
+preset states where its config facts were checked. Conventions shared by all:
+
+* tensor parallel size 1, bf16 KV cache, vLLM's GPU default block size 16
+  unless the model forces another;
+* attention page (one layer's block) = 2 (K and V) x block_size x
+  num_kv_heads x head_dim x 2 bytes;
+* layers are split into groups as vLLM's ``_get_kv_cache_groups_uniform_page_size``
+  does (see ``group_layers_like_vllm``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+
+BF16_BYTES = 2
+GPU_DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerKV:
+    """One layer's KV cache spec before grouping (a KVGroup without layer names)."""
+
+    kind: GroupKind
+    block_size: int
+    page_size_bytes: int
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+
+def attention_page_size_bytes(
+    *, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = BF16_BYTES
+) -> int:
+    """One attention layer's block: K and V for ``block_size`` tokens."""
+    return 2 * block_size * num_kv_heads * head_dim * dtype_bytes
+
+
+def gated_delta_net_state_bytes(
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    conv_kernel_size: int,
+    dtype_bytes: int = BF16_BYTES,
+    tp_size: int = 1,
+) -> int:
+    """One gated-delta-net layer's state: conv state plus recurrent state (vLLM's shapes).
+
+    conv: ``(head_k_dim * num_k_heads * 2 + head_v_dim * num_v_heads) / tp`` channels x
+    ``conv_kernel_size - 1`` steps; recurrent: ``num_v_heads / tp x head_v_dim x head_k_dim``.
+    """
+    conv_dim = head_k_dim * num_k_heads * 2 + head_v_dim * num_v_heads
+    conv = conv_dim // tp_size * (conv_kernel_size - 1)
+    recurrent = num_v_heads // tp_size * head_v_dim * head_k_dim
+    return (conv + recurrent) * dtype_bytes
+
+
+def attention_block_size_for_state(
+    *, state_bytes: int, attention_bytes_per_token: int, kernel_block_size: int = 16
+) -> int:
+    """The smallest multiple of ``kernel_block_size`` whose attention page holds the state.
+
+    vLLM raises the attention block size of attention + Mamba models this way so
+    one page size fits both kinds, then pads the Mamba page up to the attention page.
+    """
+    per_kernel_block = kernel_block_size * attention_bytes_per_token
+    return kernel_block_size * math.ceil(state_bytes / per_kernel_block)
+
+
+def group_layers_like_vllm(layers: Sequence[tuple[str, LayerKV]]) -> tuple[KVGroup, ...]:
+    """Split layers into KV cache groups of equal size, as vLLM does for one page size.
+
+    Layers with equal specs form a bucket (first appearance orders the buckets).
+    The group size is the smallest bucket's size, or the largest one's when no
+    bucket exceeds 1.5x the smallest. A bucket of n layers becomes
+    ``ceil(n / group_size)`` groups, group i taking every k-th layer from i on.
+    """
+    buckets: dict[LayerKV, list[str]] = {}
+    for name, spec in layers:
+        buckets.setdefault(spec, []).append(name)
+    sizes = [len(names) for names in buckets.values()]
+    group_size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
+    groups: list[KVGroup] = []
+    for spec, names in buckets.items():
+        num_groups = math.ceil(len(names) / group_size)
+        for i in range(num_groups):
+            groups.append(
+                KVGroup(
+                    kind=spec.kind,
+                    block_size=spec.block_size,
+                    page_size_bytes=spec.page_size_bytes,
+                    layer_names=tuple(names[i::num_groups]),
+                    sliding_window=spec.sliding_window,
+                    attention_chunk_size=spec.attention_chunk_size,
+                )
+            )
+    return tuple(groups)
+
+
+def gemma3_27b() -> KVLayoutSpec:
+    """Gemma 3 27B: 62 layers, 5 sliding (window 1024) : 1 full, 16 KV heads x 128.
+
+    Checked against google/gemma-3-27b-it config.json as transcribed in
+    AI-Hypercomputer/maxtext src/MaxText/utils/ckpt_conversion/utils/hf_model_configs.py
+    (``gemma3_27b_config``: num_hidden_layers 62, num_key_value_heads 16, head_dim 128,
+    sliding_window 1024, sliding_window_pattern 6: layer i is full when (i + 1) % 6 == 0).
+    vLLM groups the 52 sliding and 10 full layers into 6 sliding groups of 9 or 8
+    layers and 1 full group of 10.
+    """
+    block_size = GPU_DEFAULT_BLOCK_SIZE
+    page = attention_page_size_bytes(block_size=block_size, num_kv_heads=16, head_dim=128)
+    sliding = LayerKV(
+        kind=GroupKind.SLIDING_WINDOW,
+        block_size=block_size,
+        page_size_bytes=page,
+        sliding_window=1024,
+    )
+    full = LayerKV(kind=GroupKind.FULL, block_size=block_size, page_size_bytes=page)
+    layers = [
+        (f"language_model.model.layers.{i}.self_attn.attn", full if (i + 1) % 6 == 0 else sliding)
+        for i in range(62)
+    ]
+    return KVLayoutSpec(groups=group_layers_like_vllm(layers), model_id="google/gemma-3-27b-it")
+
+
+def gpt_oss_20b() -> KVLayoutSpec:
+    """gpt-oss-20b: 24 layers alternating sliding (window 128, even layers) / full.
+
+    Checked against openai/gpt-oss-20b config.json as transcribed in
+    AI-Hypercomputer/maxtext src/MaxText/utils/ckpt_conversion/utils/hf_model_configs.py
+    (``gpt_oss_20b_dict``: num_hidden_layers 24, num_key_value_heads 8, head_dim 64,
+    sliding_window 128, layer_types sliding/full alternating from layer 0), and
+    vllm-project/vllm tests/config/base_model_arch_groundtruth.json (24 layers, 8 KV
+    heads, head size 64). vLLM makes 2 groups of 12 layers.
+    """
+    block_size = GPU_DEFAULT_BLOCK_SIZE
+    page = attention_page_size_bytes(block_size=block_size, num_kv_heads=8, head_dim=64)
+    sliding = LayerKV(
+        kind=GroupKind.SLIDING_WINDOW,
+        block_size=block_size,
+        page_size_bytes=page,
+        sliding_window=128,
+    )
+    full = LayerKV(kind=GroupKind.FULL, block_size=block_size, page_size_bytes=page)
+    layers = [(f"model.layers.{i}.attn.attn", sliding if i % 2 == 0 else full) for i in range(24)]
+    return KVLayoutSpec(groups=group_layers_like_vllm(layers), model_id="openai/gpt-oss-20b")
+
+
+QWEN3_NEXT_STATE_BYTES = gated_delta_net_state_bytes(
+    num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_kernel_size=4
+)
+"""1,097,728 bytes: conv (8192 x 3) + recurrent (32 x 128 x 128) bf16 values."""
+
+
+def qwen3_next_80b_a3b() -> KVLayoutSpec:
+    """Qwen3-Next-80B-A3B: 48 layers, 3 gated-delta-net : 1 full attention.
+
+    Checked against vllm-project/vllm tests/config/base_model_arch_groundtruth.json
+    (Qwen/Qwen3-Next-80B-A3B-Instruct: 48 layers, 2 KV heads, head size 256, bf16)
+    and huggingface/transformers
+    src/transformers/models/qwen3_next/configuration_qwen3_next.py (the 80B-A3B
+    defaults: linear_num_key_heads 16, linear_num_value_heads 32, linear key/value
+    head dim 128, linear_conv_kernel_dim 4, full_attention_interval 4: layer i is
+    full when (i + 1) % 4 == 0).
+
+    Block size: vLLM raises the attention block size until an attention page
+    (2048 bytes per token) holds a gated-delta-net state (1,097,728 bytes):
+    16 x ceil(1,097,728 / (16 x 2048)) = 544 tokens (the CPU backend's alignment 32
+    gives 544 too). With prefix caching the Mamba block size follows it ("align"
+    mode). Mamba page: we use vLLM's padded page (= the attention page,
+    1,114,112 bytes) so a layout built from the engine's groups matches this one;
+    the state itself is 1,097,728 bytes (``QWEN3_NEXT_STATE_BYTES``). vLLM makes 3
+    Mamba groups and 1 full group of 12 layers each.
+    """
+    attention_bytes_per_token = attention_page_size_bytes(
+        block_size=1, num_kv_heads=2, head_dim=256
+    )
+    block_size = attention_block_size_for_state(
+        state_bytes=QWEN3_NEXT_STATE_BYTES, attention_bytes_per_token=attention_bytes_per_token
+    )
+    page = block_size * attention_bytes_per_token
+    mamba = LayerKV(kind=GroupKind.MAMBA, block_size=block_size, page_size_bytes=page)
+    full = LayerKV(kind=GroupKind.FULL, block_size=block_size, page_size_bytes=page)
+    layers = [
+        (f"model.layers.{i}.self_attn.attn", full)
+        if (i + 1) % 4 == 0
+        else (f"model.layers.{i}.linear_attn", mamba)
+        for i in range(48)
+    ]
+    return KVLayoutSpec(
+        groups=group_layers_like_vllm(layers), model_id="Qwen/Qwen3-Next-80B-A3B-Instruct"
+    )
+
+
+DEEPSEEK_V4_PAGE_BYTES = 37_440
+"""64 rows x 584 bytes (fp8_ds_mla: 448 NoPE + 128 RoPE + 8 scale) = 37,376, padded to 576-byte
+alignment. An assumption, see ``deepseek_v4_flash``."""
+
+
+def deepseek_v4_flash() -> KVLayoutSpec:
+    """DeepSeek-V4-Flash: five KV cache groups, block sizes 256 / 64 / 64 / 4 / 8.
+
+    Layer facts checked against a copy of DeepSeek-V4-Flash's config.json in
+    patrickbdevaney/deepseek-v4-flash-0731-cuda docs/config.json (a pruned
+    derivative; the attention fields are the original's): 43 layers, head_dim 512,
+    sliding_window 128, compress_ratios 0 for layers 0-1 then 4 (CSA, even layers
+    2-42, 21 layers) and 128 (HCA, odd layers 3-41, 20 layers). Cache kinds from
+    vLLM 0.32's vllm/models/deepseek_v4 (attention.py, compressor.py): every layer
+    has a 64-token sliding-window cache (window 128); compressed layers a
+    256-token MLA cache; CSA layers an indexer cache; compressor states use 4-token
+    (CSA, window 8) and 8-token (HCA, window 128) blocks.
+
+    Not verified (no DeepSeek-V4 engine here): how vLLM splits these caches into
+    the five groups and their exact padded pages. Assumed: group 0 = compressed
+    MLA + indexer caches (full attention over the compressed prefix), groups 1-2 =
+    the sliding-window caches of even / odd layers, group 3 = CSA compressor states
+    (attention and indexer), group 4 = HCA compressor states; every page padded to
+    one shared page of ``DEEPSEEK_V4_PAGE_BYTES`` (vLLM shares one tensor between
+    these caches, so their pages must match).
+    """
+    page = DEEPSEEK_V4_PAGE_BYTES
+    csa = [i for i in range(2, 43) if i % 2 == 0]
+    hca = [i for i in range(2, 43) if i % 2 == 1]
+    compressed = sorted(csa + hca)
+    groups = (
+        KVGroup(
+            kind=GroupKind.FULL,
+            block_size=256,
+            page_size_bytes=page,
+            layer_names=tuple(f"model.layers.{i}.attn" for i in compressed)
+            + tuple(f"model.layers.{i}.attn.indexer.k_cache" for i in csa),
+        ),
+        _swa_group(range(0, 43, 2), page),
+        _swa_group(range(1, 43, 2), page),
+        KVGroup(
+            kind=GroupKind.SLIDING_WINDOW,
+            block_size=4,
+            page_size_bytes=page,
+            sliding_window=8,
+            layer_names=tuple(f"model.layers.{i}.attn.compressor.state_cache" for i in csa)
+            + tuple(f"model.layers.{i}.attn.indexer.compressor.state_cache" for i in csa),
+        ),
+        KVGroup(
+            kind=GroupKind.SLIDING_WINDOW,
+            block_size=8,
+            page_size_bytes=page,
+            sliding_window=128,
+            layer_names=tuple(f"model.layers.{i}.attn.compressor.state_cache" for i in hca),
+        ),
+    )
+    return KVLayoutSpec(groups=groups, model_id="deepseek-ai/DeepSeek-V4-Flash")
+
+
+def _swa_group(layer_ids: range, page: int) -> KVGroup:
+    return KVGroup(
+        kind=GroupKind.SLIDING_WINDOW,
+        block_size=64,
+        page_size_bytes=page,
+        sliding_window=128,
+        layer_names=tuple(f"model.layers.{i}.attn.swa_cache" for i in layer_ids),
+    )
+
+
+PRESETS: dict[str, Callable[[], KVLayoutSpec]] = {
+    "gemma3-27b": gemma3_27b,
+    "gpt-oss-20b": gpt_oss_20b,
+    "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
+    "deepseek-v4-flash": deepseek_v4_flash,
+}
+
+
+def load_layout(name_or_path: str | Path) -> KVLayoutSpec:
+    """A preset by name, or a layout JSON file in ``KVLayoutSpec.to_dict`` format."""
+    if isinstance(name_or_path, str) and name_or_path in PRESETS:
+        return PRESETS[name_or_path]()
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{str(name_or_path)!r} is neither a preset nor a layout JSON file; presets: "
+            f"{sorted(PRESETS)}; a layout file holds KVLayoutSpec.to_dict() as JSON"
+        )
+    try:
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"layout file {str(path)!r} is not readable JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"layout file {str(path)!r} must hold a JSON object (KVLayoutSpec.to_dict()), "
+            f"got {type(data).__name__}"
+        )
+    try:
+        return KVLayoutSpec.from_dict(data)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"layout file {str(path)!r}: {exc}") from None
