@@ -1,0 +1,229 @@
+"""Differential test of hybridkv.hits against vLLM's own hybrid coordinator.
+
+The engine's coordinator (``get_kv_cache_coordinator``: the hybrid one for several
+groups, the unitary one for a single group) runs over a real ``BlockPool`` whose
+prefix-cache map holds exactly the blocks of random existence sets; ours runs
+over the same sets through ``contains``. Hits must agree in length and in the
+blocks each group loads (vLLM's non-null blocks).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from functools import reduce
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from hybridkv.hits import Hit, find_longest_hit
+from hybridkv.spec import GroupKind, KVGroup
+from tests.test_hits import (
+    chunked,
+    full,
+    mamba,
+    random_layout,
+    random_stores,
+    reference,
+    swa,
+)
+
+
+def vllm_spec(group: KVGroup) -> KVCacheSpec:
+    """A vLLM spec per group; equal ``spec_key`` <=> equal vLLM spec.
+
+    The page size enters through ``page_size_padded`` (the tiny unpadded page is
+    always smaller), so groups differing only in page size stay separate specs.
+    """
+    attention: dict[str, Any] = {
+        "block_size": group.block_size,
+        "num_kv_heads": 1,
+        "head_size": 1,
+        "dtype": torch.int8,
+        "page_size_padded": 2 * group.block_size + group.page_size_bytes,
+    }
+    if group.kind is GroupKind.FULL:
+        return FullAttentionSpec(**attention)
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        return SlidingWindowSpec(**attention, sliding_window=group.sliding_window)
+    if group.kind is GroupKind.CHUNKED_LOCAL:
+        return ChunkedLocalAttentionSpec(
+            **attention, attention_chunk_size=group.attention_chunk_size
+        )
+    return MambaSpec(
+        block_size=group.block_size,
+        shapes=((1,),),
+        dtypes=(torch.int8,),
+        page_size_padded=1 + group.page_size_bytes,
+        mamba_cache_mode="align",
+    )
+
+
+def vllm_hit(
+    groups: list[KVGroup],
+    stored: list[set[int]],
+    max_hit_tokens: int,
+    alignment_tokens: int,
+    hash_block_size: int,
+    use_eagle: bool,
+) -> Hit:
+    """vLLM's answer: the engine's coordinator over a BlockPool caching ``stored``."""
+    num_blocks = sum(len(s) for s in stored) + 2
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=list(g.layer_names), kv_cache_spec=vllm_spec(g))
+            for g in groups
+        ],
+    )
+    coordinator = get_kv_cache_coordinator(
+        config,
+        max_model_len=1 << 20,
+        max_in_flight_tokens=1 << 12,
+        use_eagle=use_eagle,
+        enable_caching=True,
+        enable_kv_cache_events=False,
+        dcp_world_size=1,
+        pcp_world_size=1,
+        scheduler_block_size=alignment_tokens,
+        hash_block_size=hash_block_size,
+        allow_partial_hash_hits=False,  # hits on the alignment, never inside a block
+    )
+    if len(groups) > 1:
+        assert coordinator._cache_hit_alignment_tokens == alignment_tokens
+    # The request is max_hit_tokens + 1 tokens long; one chained hash per hash block.
+    block_hashes = [
+        BlockHash(j.to_bytes(8, "big")) for j in range((max_hit_tokens + 1) // hash_block_size)
+    ]
+    pool = coordinator.block_pool
+    for group_id, (group, blocks) in enumerate(zip(groups, stored, strict=True)):
+        scale = group.block_size // hash_block_size
+        # Group block i is keyed by the hash ending it (as vLLM's block-size view does).
+        keys = [
+            make_block_hash_with_group_id(block_hashes[(i + 1) * scale - 1], group_id)
+            for i in sorted(blocks)
+            if (i + 1) * scale <= len(block_hashes)
+        ]
+        for key, block in zip(keys, pool.get_new_blocks(len(keys)), strict=True):
+            block.set_block_hash(key)
+            pool.cached_block_hash_to_block.insert(key, block)
+    hit_blocks, num_tokens, _ = coordinator.find_longest_cache_hit(block_hashes, max_hit_tokens)
+    loaded = tuple(
+        tuple(i for i, block in enumerate(blocks) if not block.is_null) for blocks in hit_blocks
+    )
+    return Hit(num_tokens, loaded)
+
+
+def hash_block_size_for(rng: random.Random, groups: list[KVGroup]) -> int:
+    gcd = reduce(math.gcd, (g.block_size for g in groups))
+    if len(groups) == 1:
+        return gcd  # the unitary coordinator hashes at the block size
+    return rng.choice([d for d in range(1, gcd + 1) if gcd % d == 0])
+
+
+STORE_STYLES = ("dense", "holes", "holes", "holes", "prefix", "sparse", "empty")
+
+
+def three_kind_layout(rng: random.Random) -> tuple[list[KVGroup], int | None, bool]:
+    """Sliding window + Mamba (+ full attention): where later passes shrink the hit."""
+    sizes = [rng.choice([1, 2, 4, 8]) for _ in range(3)]
+    window = rng.randint(1, 4 * sizes[0] + 3)
+    groups = [swa(sizes[0], window, name="a"), mamba(sizes[1], name="b"), full(sizes[2])]
+    if rng.random() < 0.5:
+        groups.append(swa(sizes[0], window, name="d"))  # same spec as "a"
+    if rng.random() < 0.3:
+        groups.remove(groups[2])  # no full attention
+    rng.shuffle(groups)
+    return groups, None, rng.random() < 0.4
+
+
+def test_matches_vllm_coordinator_on_random_layouts() -> None:
+    rng = random.Random(0x5EED)
+    counts = {"cases": 0, "eagle": 0, "hits": 0, "one group": 0, "3+ passes": 0}
+    for case in range(5000):
+        make_layout = three_kind_layout if case % 5 == 4 else random_layout
+        groups, alignment, use_eagle = make_layout(rng)
+        if len(groups) == 1:
+            alignment = None  # the engine aligns a single group to its block size
+        align = alignment or math.lcm(*(g.block_size for g in groups))
+        max_hit_tokens = rng.randint(0, 200)
+        # Mostly well-filled stores with holes: hits long enough for several passes.
+        stored = random_stores(rng, groups, max_hit_tokens, STORE_STYLES)
+        hbs = hash_block_size_for(rng, groups)
+        expected = vllm_hit(groups, stored, max_hit_tokens, align, hbs, use_eagle)
+        got = find_longest_hit(
+            groups,
+            max_hit_tokens,
+            lambda g, ids: [i in stored[g] for i in ids],  # noqa: B023
+            alignment_tokens=alignment,
+            use_eagle=use_eagle,
+        )
+        assert got == expected, (groups, stored, max_hit_tokens, alignment, hbs, use_eagle)
+        counts["cases"] += 1
+        counts["eagle"] += use_eagle
+        counts["hits"] += got.num_tokens > 0
+        counts["one group"] += len(groups) == 1
+        # Pass 2 shrank the hit again, so pass 3 ran.
+        counts["3+ passes"] += (
+            reference(groups, stored, max_hit_tokens, alignment, use_eagle)[1] > 2
+        )
+    # The generator must reach the interesting cases, not only trivial ones.
+    assert counts["eagle"] > 1000 and counts["hits"] > 2000 and counts["one group"] > 200, counts
+    assert counts["3+ passes"] > 60, counts
+
+
+def test_gemma_and_qwen_like_layouts_at_scale() -> None:
+    """A few long requests on realistic layouts; stores cut at random with rare holes."""
+    rng = random.Random(3)
+    hits: list[int] = []
+    layouts = [
+        [swa(16, 1024, name=f"s{i}") for i in range(3)] + [full(16)],
+        [mamba(64, page=4096, name=f"m{i}") for i in range(3)] + [full(64)],
+        [full(32), swa(32, 128), mamba(64)],
+    ]
+    for groups in layouts:
+        for use_eagle in (False, True):
+            max_hit_tokens = rng.randint(4000, 8000)
+            stored = []
+            for g in groups:
+                nb = max_hit_tokens // g.block_size + 1
+                cut = rng.randint(nb // 2, nb)
+                stored.append({i for i in range(cut) if rng.random() < 0.998})
+            align = math.lcm(*(g.block_size for g in groups))
+            hbs = reduce(math.gcd, (g.block_size for g in groups))
+            expected = vllm_hit(groups, stored, max_hit_tokens, align, hbs, use_eagle)
+            got = find_longest_hit(
+                groups,
+                max_hit_tokens,
+                lambda g, ids: [i in stored[g] for i in ids],  # noqa: B023
+                use_eagle=use_eagle,
+            )
+            assert got == expected
+            hits.append(got.num_tokens)
+    assert sum(t > 1024 for t in hits) >= 4, hits  # long hits, not only trivial ones
+
+
+def test_layouts_we_reject_are_ones_vllm_rejects() -> None:
+    """EAGLE with chunked local attention, and chunked local below the alignment."""
+    for groups, use_eagle in [([full(4), chunked(4, 8)], True), ([full(8), chunked(4, 8)], False)]:
+        align = math.lcm(*(g.block_size for g in groups))
+        with pytest.raises(AssertionError, match="chunked local attention"):
+            vllm_hit(groups, [set(range(9))] * 2, 30, align, 4, use_eagle)
+        with pytest.raises(ValueError, match="CHUNKED_LOCAL"):
+            find_longest_hit(groups, 30, lambda g, ids: [True] * len(ids), use_eagle=use_eagle)
