@@ -1,0 +1,496 @@
+"""Canonical KV caches: one byte-level view of whatever KV tensors an engine has.
+
+Runs in the worker process (the one that owns the KV tensors).
+
+A group's block object is its layers' pages concatenated in layer order
+(``KVGroup.block_bytes`` bytes), the same bytes whatever the storage layout,
+so what one layout stores another can load (when ``page_formats`` agree).
+
+API
+---
+``canonicalize(kv_caches: Mapping[str, torch.Tensor], layout: KVLayoutSpec)
+-> CanonicalKVCaches``: per-layer tensors as an engine registers them (any
+dtype and strides, block dim physically outermost; layers of different groups
+may share storage, as vLLM's hybrid allocator does; vLLM's kernel-block
+splitting and padded Mamba pages are understood). ValueError names every
+problem (missing or unknown layer, shape, stride, expected page size).
+
+``CanonicalKVCaches`` (frozen): ``layout``, ``num_blocks``, ``tensors:
+tuple[torch.Tensor, ...]`` (int8 ``(num_blocks, row_bytes)`` views, one per
+distinct storage/stride/row), ``group_refs: tuple[tuple[PageRef, ...], ...]``
+(per group, one ``PageRef(tensor_idx, offset_bytes, page_bytes)`` per layer),
+``page_formats: tuple[str, ...]``, ``block_major: tuple[bool, ...]``,
+``kind: KVLayoutKind``, ``device``, ``describe() -> str`` and
+``group_block_spans(group_id: int) -> tuple[BlockSpan, ...]``: one
+``BlockSpan(tensor_idx, offset_bytes, num_bytes, object_offset_bytes)`` for a
+block-major group (one copy moves a block of all its layers), else one per layer.
+
+``allocate_kv_caches(layout: KVLayoutSpec, num_blocks: int, *, kind:
+KVLayoutKind = KVLayoutKind.BLOCK_MAJOR, shapes: Mapping[str, tuple[Sequence[int],
+torch.dtype]] | None = None, device: torch.device | str = "cpu") ->
+AllocatedKVCaches(kind, kv_caches, canonical, buffer)``: one zeroed buffer,
+per-layer views ``(num_blocks, *shape)`` (default int8 ``(page_size_bytes,)``)
+and their canonical description. Block ids come from one pool: groups share
+storage and a block belongs to whichever group allocated it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from hybridkv.spec import KVGroup, KVLayoutSpec
+
+logger = logging.getLogger(__name__)
+
+ROW_ALIGN_BYTES = 16
+"""Allocated rows are padded to this (the largest element size) so any dtype views them."""
+
+LayerShapes = Mapping[str, tuple[Sequence[int], torch.dtype]]
+"""Layer name -> (per-block shape without the leading num_blocks dim, dtype)."""
+
+
+class KVLayoutKind(enum.Enum):
+    BLOCK_MAJOR = "block_major"
+    """A block's pages for every layer of its group are adjacent: one copy per block."""
+    LAYER_MAJOR = "layer_major"
+    """Each layer slot owns a region of ``num_blocks`` pages: one copy per layer."""
+
+
+class PageRef(NamedTuple):
+    """Where one layer's page of every block lives inside a block tensor row."""
+
+    tensor_idx: int
+    offset_bytes: int
+    page_bytes: int
+
+
+class BlockSpan(NamedTuple):
+    """Bytes ``[offset, offset + num_bytes)`` of a block tensor row that hold
+    bytes ``[object_offset, object_offset + num_bytes)`` of a group's block object."""
+
+    tensor_idx: int
+    offset_bytes: int
+    num_bytes: int
+    object_offset_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CanonicalKVCaches:
+    """Block tensors (int8, ``(num_blocks, row_bytes)``) and per-group page refs."""
+
+    layout: KVLayoutSpec
+    num_blocks: int
+    tensors: tuple[torch.Tensor, ...]
+    group_refs: tuple[tuple[PageRef, ...], ...]
+    page_formats: tuple[str, ...] = ()
+    """Per group: what a page's bytes hold (dtype and dims in memory order, e.g.
+    ``bfloat16[2,64,128]``). Objects are interchangeable between caches whose
+    formats agree; mix it into store keys when engines may differ."""
+    _spans: tuple[tuple[BlockSpan, ...], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        problems = _canonical_problems(self)
+        if problems:
+            raise ValueError("invalid CanonicalKVCaches: " + "; ".join(problems))
+        object.__setattr__(self, "_spans", tuple(_group_spans(refs) for refs in self.group_refs))
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    @property
+    def block_major(self) -> tuple[bool, ...]:
+        """Per group: whether one block of the group is one contiguous span."""
+        return tuple(len(spans) == 1 for spans in self._spans)
+
+    @property
+    def kind(self) -> KVLayoutKind:
+        """BLOCK_MAJOR when every group moves a block in one copy."""
+        return KVLayoutKind.BLOCK_MAJOR if all(self.block_major) else KVLayoutKind.LAYER_MAJOR
+
+    def group_block_spans(self, group_id: int) -> tuple[BlockSpan, ...]:
+        """Spans that make up one block object of the group, in object order."""
+        return self._spans[group_id]
+
+    def describe(self) -> str:
+        rows = ", ".join(f"{t.shape[1]}B/{t.stride(0)}B" for t in self.tensors)
+        return (
+            f"{len(self.tensors)} block tensors of {self.num_blocks} blocks (row/stride: {rows}); "
+            f"block-major per group: {list(self.block_major)}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class AllocatedKVCaches:
+    kind: KVLayoutKind
+    """The storage layout actually used."""
+    kv_caches: dict[str, torch.Tensor]
+    """Engine-facing per-layer views, ``(num_blocks, *shape)``."""
+    canonical: CanonicalKVCaches
+    buffer: torch.Tensor
+    """The one int8 backing allocation."""
+
+
+class _LayerPlace(NamedTuple):
+    name: str
+    group_id: int
+    storage: torch.UntypedStorage
+    offset_bytes: int
+    stride_bytes: int
+    num_blocks: int
+    page_bytes: int
+    page_format: str
+    kernel_ratio: int
+    """Engine kernel blocks per block (vLLM may split a block into several)."""
+
+
+def canonicalize(kv_caches: Mapping[str, torch.Tensor], layout: KVLayoutSpec) -> CanonicalKVCaches:
+    """Describe registered per-layer KV tensors canonically (see module doc).
+
+    A layer's tensor must have the block dim physically outermost: one block's
+    page is one run of ``page_size_bytes`` (or fewer, padded up to it inside the
+    block stride; or ``page_size_bytes // k`` with ``k`` dense kernel blocks per
+    block, as vLLM's kernel block splitting makes). Raises ValueError listing
+    every problem.
+    """
+    problems: list[str] = []
+    places: list[_LayerPlace] = []
+    known = {name for group in layout.groups for name in group.layer_names}
+    unknown = sorted(set(kv_caches) - known)
+    if unknown:
+        problems.append(f"layers {unknown} are registered but in no group of the layout")
+    for group_id, group in enumerate(layout.groups):
+        for name in group.layer_names:
+            if name not in kv_caches:
+                problems.append(f"layer {name!r} of group {group_id} is missing from kv_caches")
+                continue
+            place = _place_layer(name, group_id, group, kv_caches[name])
+            if isinstance(place, str):
+                problems.append(place)
+            else:
+                places.append(place)
+    problems += _consistency_problems(places, kv_caches)
+    if problems:
+        raise ValueError("cannot canonicalize KV caches: " + "; ".join(problems))
+    tensors, refs = _block_tensors(places, problems)
+    if problems:
+        raise ValueError("cannot canonicalize KV caches: " + "; ".join(problems))
+    group_refs = tuple(tuple(refs[name] for name in g.layer_names) for g in layout.groups)
+    formats = {p.name: p.page_format for p in places}
+    page_formats = tuple(
+        "/".join(dict.fromkeys(formats[name] for name in g.layer_names)) for g in layout.groups
+    )
+    canonical = CanonicalKVCaches(
+        layout=layout,
+        num_blocks=places[0].num_blocks,
+        tensors=tensors,
+        group_refs=group_refs,
+        page_formats=page_formats,
+    )
+    logger.debug("canonical KV caches: %s", canonical.describe())
+    return canonical
+
+
+def _place_layer(name: str, group_id: int, group: KVGroup, tensor: object) -> _LayerPlace | str:
+    if not isinstance(tensor, torch.Tensor):
+        return f"layer {name!r}: expected a torch.Tensor, got {type(tensor).__name__}"
+    where = (
+        f"layer {name!r} (group {group_id}, shape {tuple(tensor.shape)}, "
+        f"stride {tensor.stride()}, dtype {tensor.dtype})"
+    )
+    if tensor.dim() < 1 or tensor.shape[0] == 0:
+        return f"{where}: needs a leading block dim with at least one block"
+    item = tensor.element_size()
+    kernel_page = math.prod(tensor.shape[1:]) * item
+    stride = tensor.stride(0) * item
+    if tensor.shape[0] == 1:  # any stride is valid for one block; never below a page
+        stride = max(stride, kernel_page, group.page_size_bytes)
+    page_dims = _dense_dims(tensor[0])
+    if page_dims is None or stride < kernel_page:
+        return (
+            f"{where}: one block's page is not one contiguous run of bytes; the block dim "
+            "must be the physically outermost dim (ask the engine for a block-leading "
+            "layout, e.g. vLLM's LBHNC or BLHNC)"
+        )
+    page = group.page_size_bytes
+    ratio = 1
+    if kernel_page < page and page % kernel_page == 0 and stride == kernel_page:
+        ratio = page // kernel_page  # dense kernel blocks; one block is `ratio` of them
+        stride = page
+        if tensor.shape[0] % ratio:
+            return f"{where}: {tensor.shape[0]} kernel blocks do not group into blocks of {ratio}"
+    elif kernel_page != page and not kernel_page < page <= stride:
+        return (
+            f"{where}: one block's page is prod(shape[1:]) * element size = {kernel_page} "
+            f"bytes but group {group_id} has page_size_bytes={page}; expected equal (or a "
+            f"page padded up to {page} within the block stride of {stride} bytes); fix the "
+            "group's page_size_bytes or register the layer's own tensor"
+        )
+    dims = ([ratio] if ratio > 1 else []) + [tensor.shape[1 + d] for d in page_dims]
+    page_format = f"{str(tensor.dtype).removeprefix('torch.')}[{','.join(map(str, dims))}]"
+    if page > kernel_page * ratio:
+        page_format += f"+{page - kernel_page * ratio}pad"
+    return _LayerPlace(
+        name=name,
+        group_id=group_id,
+        storage=tensor.untyped_storage(),
+        offset_bytes=int(tensor.storage_offset()) * item,
+        stride_bytes=stride,
+        num_blocks=tensor.shape[0] // ratio,
+        page_bytes=page,
+        page_format=page_format,
+        kernel_ratio=ratio,
+    )
+
+
+def _dense_dims(page: torch.Tensor) -> list[int] | None:
+    """Non-trivial dims of one block's page, outermost first, if its elements fill
+    one run of memory (any dim order); None when they leave gaps or overlap."""
+    dims = sorted((d for d in range(page.dim()) if page.shape[d] != 1), key=page.stride)
+    expected = 1
+    for d in dims:
+        if page.stride(d) != expected:
+            return None
+        expected *= page.shape[d]
+    return dims[::-1]
+
+
+def _consistency_problems(
+    places: Sequence[_LayerPlace], kv_caches: Mapping[str, torch.Tensor]
+) -> list[str]:
+    problems: list[str] = []
+    devices = {str(kv_caches[p.name].device) for p in places}
+    if len(devices) > 1:
+        problems.append(f"layers are on several devices {sorted(devices)}; expected one")
+    if len({p.num_blocks for p in places}) > 1:
+        counts = {p.name: _block_count(p) for p in places}
+        problems.append(f"layers disagree on num_blocks {counts}; each needs the same count")
+    for p in places:
+        end = p.offset_bytes + (p.num_blocks - 1) * p.stride_bytes + p.page_bytes
+        if end > p.storage.nbytes():
+            problems.append(
+                f"layer {p.name!r}: its last padded page ends at byte {end}, past its "
+                f"storage of {p.storage.nbytes()} bytes"
+            )
+    return problems
+
+
+def _block_count(p: _LayerPlace) -> int | str:
+    if p.kernel_ratio == 1:
+        return p.num_blocks
+    kernel_page = p.page_bytes // p.kernel_ratio
+    return f"{p.num_blocks} ({p.kernel_ratio} kernel blocks of {kernel_page} bytes each)"
+
+
+def _block_tensors(
+    places: Sequence[_LayerPlace], problems: list[str]
+) -> tuple[tuple[torch.Tensor, ...], dict[str, PageRef]]:
+    """Group layers into block tensors: same storage and stride, pages within one row."""
+    buckets: dict[tuple[int, int], list[_LayerPlace]] = defaultdict(list)
+    for p in places:
+        buckets[(p.storage.data_ptr(), p.stride_bytes)].append(p)
+    clusters: list[list[_LayerPlace]] = []
+    for members in buckets.values():
+        members.sort(key=lambda p: p.offset_bytes)
+        start = len(clusters)
+        for p in members:
+            row_start = clusters[-1][0].offset_bytes if len(clusters) > start else -1
+            if row_start >= 0 and p.offset_bytes + p.page_bytes - row_start <= p.stride_bytes:
+                clusters[-1].append(p)
+            else:
+                clusters.append([p])
+    order = {p.name: i for i, p in enumerate(places)}  # layout order: stable tensor indices
+    clusters.sort(key=lambda c: min(order[p.name] for p in c))
+    tensors: list[torch.Tensor] = []
+    refs: dict[str, PageRef] = {}
+    for idx, cluster in enumerate(clusters):
+        first = cluster[0]
+        row_start = first.offset_bytes
+        row_bytes = max(p.offset_bytes + p.page_bytes for p in cluster) - row_start
+        flat = torch.empty(0, dtype=torch.int8, device=first.storage.device).set_(first.storage)
+        tensors.append(
+            flat.as_strided((first.num_blocks, row_bytes), (first.stride_bytes, 1), row_start)
+        )
+        for p in cluster:
+            refs[p.name] = PageRef(idx, p.offset_bytes - row_start, p.page_bytes)
+        problems += _alias_problems(cluster)
+    return tuple(tensors), refs
+
+
+def _alias_problems(cluster: Sequence[_LayerPlace]) -> list[str]:
+    """Layers of one group must not share page bytes (groups may: a block has one owner)."""
+    problems: list[str] = []
+    by_group: dict[int, list[_LayerPlace]] = defaultdict(list)
+    for p in cluster:
+        by_group[p.group_id].append(p)
+    for group_id, members in by_group.items():
+        for a, b in itertools.pairwise(members):
+            if b.offset_bytes < a.offset_bytes + a.page_bytes:
+                problems.append(
+                    f"layers {a.name!r} and {b.name!r} of group {group_id} share page bytes "
+                    f"(offsets {a.offset_bytes} and {b.offset_bytes}, page {a.page_bytes}); "
+                    "every layer of a group needs its own page"
+                )
+    return problems
+
+
+def _group_spans(refs: Sequence[PageRef]) -> tuple[BlockSpan, ...]:
+    first = refs[0]
+    adjacent = all(
+        r.tensor_idx == first.tensor_idx and r.offset_bytes == first.offset_bytes + i * r.page_bytes
+        for i, r in enumerate(refs)
+    )
+    if adjacent:
+        total = sum(r.page_bytes for r in refs)
+        return (BlockSpan(first.tensor_idx, first.offset_bytes, total, 0),)
+    starts = itertools.accumulate((r.page_bytes for r in refs), initial=0)
+    return tuple(BlockSpan(r[0], r[1], r[2], o) for r, o in zip(refs, starts, strict=False))
+
+
+def _canonical_problems(c: CanonicalKVCaches) -> list[str]:
+    problems = [
+        f"tensors[{i}] is {t.dtype} {tuple(t.shape)} stride {t.stride()}; expected int8 "
+        f"({c.num_blocks}, row_bytes) with contiguous rows"
+        for i, t in enumerate(c.tensors)
+        if t.dtype != torch.int8 or t.dim() != 2 or t.shape[0] != c.num_blocks or t.stride(1) != 1
+    ]
+    if problems or not c.tensors:
+        return problems or ["tensors is empty"]
+    if [len(refs) for refs in c.group_refs] != [g.num_layers for g in c.layout.groups]:
+        return ["group_refs needs one PageRef per layer of every group, in layer order"]
+    for group_id, (group, refs) in enumerate(zip(c.layout.groups, c.group_refs, strict=True)):
+        for ref in refs:
+            ok = 0 <= ref.tensor_idx < len(c.tensors) and ref.page_bytes == group.page_size_bytes
+            if not ok or ref.offset_bytes + ref.page_bytes > c.tensors[ref.tensor_idx].shape[1]:
+                problems.append(f"group {group_id}: {ref} does not fit its block tensor")
+    return problems
+
+
+def allocate_kv_caches(
+    layout: KVLayoutSpec,
+    num_blocks: int,
+    *,
+    kind: KVLayoutKind = KVLayoutKind.BLOCK_MAJOR,
+    shapes: LayerShapes | None = None,
+    device: torch.device | str = "cpu",
+) -> AllocatedKVCaches:
+    """Allocate KV caches in one zeroed buffer; block ids come from one pool.
+
+    BLOCK_MAJOR: block ``b`` is one row; each group lays its layers' pages out
+    from the row's first byte (groups overlay: a block has one owner), so a
+    group's block is one span. With uniform pages and layer counts this is
+    "layer slot i is shared by layer i of every group"; otherwise rows are as
+    long as the largest group block and the unused tail is logged.
+    LAYER_MAJOR: layer slot ``i`` (shared by layer ``i`` of every group) owns
+    ``num_blocks`` rows of its largest page.
+    ``shapes`` gives each layer's per-block shape and dtype (default int8
+    ``(page_size_bytes,)``); a view is ``(num_blocks, *shape)``.
+    """
+    page_shapes = _check_allocate_args(layout, num_blocks, kind, shapes)
+    groups = layout.groups
+    placement: dict[str, tuple[int, int]] = {}  # layer -> (offset of block 0, block stride)
+    if kind is KVLayoutKind.BLOCK_MAJOR:
+        row = _round_up(max(g.block_bytes for g in groups), ROW_ALIGN_BYTES)
+        for g in groups:
+            for i, name in enumerate(g.layer_names):
+                placement[name] = (i * g.page_size_bytes, row)
+        total = row * num_blocks
+        largest = max(g.block_bytes for g in groups)
+        unused = {
+            gid: largest - g.block_bytes for gid, g in enumerate(groups) if g.block_bytes < largest
+        }
+        if unused:
+            logger.warning(
+                "block-major KV rows hold the largest group block (%d bytes); group block bytes "
+                "differ (%s), so a block owned by group(s) %s leaves %s bytes unused",
+                largest,
+                [g.block_bytes for g in groups],
+                list(unused),
+                list(unused.values()),
+            )
+    else:
+        total = 0
+        for slot in range(max(g.num_layers for g in groups)):
+            slot_groups = [g for g in groups if g.num_layers > slot]
+            row = _round_up(max(g.page_size_bytes for g in slot_groups), ROW_ALIGN_BYTES)
+            for g in slot_groups:
+                placement[g.layer_names[slot]] = (total, row)
+            total += row * num_blocks
+    buffer = torch.zeros(total, dtype=torch.int8, device=device)
+    kv_caches = {
+        name: _layer_view(buffer, offset, stride, num_blocks, *page_shapes[name])
+        for name, (offset, stride) in placement.items()
+    }
+    canonical = canonicalize(kv_caches, layout)
+    assert kind is KVLayoutKind.LAYER_MAJOR or all(canonical.block_major), canonical.describe()
+    return AllocatedKVCaches(kind=kind, kv_caches=kv_caches, canonical=canonical, buffer=buffer)
+
+
+def _check_allocate_args(
+    layout: KVLayoutSpec, num_blocks: int, kind: KVLayoutKind, shapes: LayerShapes | None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    problems: list[str] = []
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+        problems.append(f"num_blocks={num_blocks!r} must be an int > 0")
+    if not isinstance(kind, KVLayoutKind):
+        problems.append(f"kind={kind!r} must be one of {[k.name for k in KVLayoutKind]}")
+    given = dict(shapes or {})
+    known = {name for g in layout.groups for name in g.layer_names}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        problems.append(f"shapes names layers {unknown} that are in no group of the layout")
+    result: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for group_id, g in enumerate(layout.groups):
+        for name in g.layer_names:
+            shape, dtype = given.get(name, ((g.page_size_bytes,), torch.int8))
+            shape = tuple(shape)
+            if not isinstance(dtype, torch.dtype) or not all(
+                isinstance(d, int) and d > 0 for d in shape
+            ):
+                problems.append(
+                    f"shapes[{name!r}]=({shape}, {dtype!r}) must be (positive int dims, "
+                    "torch.dtype)"
+                )
+                continue
+            nbytes = math.prod(shape) * dtype.itemsize
+            if nbytes != g.page_size_bytes:
+                problems.append(
+                    f"shapes[{name!r}]: {shape} x {dtype} is {nbytes} bytes per block but group "
+                    f"{group_id} has page_size_bytes={g.page_size_bytes}; give the per-block "
+                    "shape without the leading num_blocks dim"
+                )
+            result[name] = (shape, dtype)
+    if problems:
+        raise ValueError("allocate_kv_caches: " + "; ".join(problems))
+    return result
+
+
+def _layer_view(
+    buffer: torch.Tensor,
+    offset_bytes: int,
+    stride_bytes: int,
+    num_blocks: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    item = dtype.itemsize
+    inner = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        inner[i] = inner[i + 1] * shape[i + 1]
+    typed = buffer.view(dtype)
+    return typed.as_strided(
+        (num_blocks, *shape), (stride_bytes // item, *inner), offset_bytes // item
+    )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

@@ -1,0 +1,159 @@
+"""Job vocabulary of the transfer engine: ids, kinds, parts, results, config.
+
+Pure data and pure functions; used in the worker process by ``engine``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, NewType
+
+from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey
+
+JobId = NewType("JobId", int)
+
+
+class JobKind(enum.Enum):
+    STORE = "store"
+    LOAD = "load"
+
+
+class TransferPart(NamedTuple):
+    """Blocks of one group in a job, with one key per block."""
+
+    group_id: int
+    block_ids: Sequence[int]
+    keys: Sequence[StoreKey]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobResult:
+    job_id: JobId
+    kind: JobKind
+    ok_block_ids: dict[int, tuple[int, ...]]
+    """group_id -> block ids stored (OK or already there) / loaded, in submit order."""
+    failed_block_ids: dict[int, tuple[int, ...]]
+    """group_id -> block ids not stored / not loaded (their KV is untouched)."""
+    error: str | None = None
+    """Why blocks failed (statuses, exception, timeout, cancel); None when all OK."""
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.failed_block_ids.values())
+
+    @property
+    def num_failed(self) -> int:
+        return sum(len(ids) for ids in self.failed_block_ids.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferConfig:
+    staging_bytes: int = 256 << 20
+    """Staging arena size: the bound on bytes in flight (backpressure beyond)."""
+    num_workers: int = 1
+    """Threads calling the tier; > 1 needs a thread-safe tier."""
+    load_timeout_s: float | None = 30.0
+    store_timeout_s: float | None = 60.0
+    pin_memory: bool | None = None
+    """Pin the staging arena; None: pin when the KV caches are on CUDA."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("staging_bytes", "num_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                problems.append(f"{name}={value!r} must be an int > 0")
+        for name in ("load_timeout_s", "store_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int | float) or value <= 0):
+                problems.append(f"{name}={value!r} must be a number > 0 or None (no timeout)")
+        if problems:
+            raise ValueError("invalid TransferConfig: " + "; ".join(problems))
+
+
+class JobState(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SCATTERING = "scattering"
+    ABANDONED = "abandoned"
+    """Reported failed (timeout, cancel, close) while the tier call still runs."""
+
+
+@dataclass(eq=False)
+class Job:
+    """Engine bookkeeping of one submitted job (internal)."""
+
+    job_id: JobId
+    kind: JobKind
+    parts: tuple[TransferPart, ...]
+    part_offsets: tuple[int, ...]
+    """Staging offset of each part's first block."""
+    staging_offset: int | None
+    timeout_s: float | None
+    deadline: float | None = None
+    state: JobState = JobState.QUEUED
+    buffers: list[Buffer] = field(default_factory=list)
+
+
+def check_parts(
+    parts: Sequence[TransferPart],
+    num_groups: int,
+    check_block_ids: Callable[[int, Sequence[int]], str | None],
+) -> tuple[TransferPart, ...]:
+    """Validate a job's parts at the API boundary; ValueError names every problem."""
+    problems: list[str] = []
+    checked: list[TransferPart] = []
+    seen: set[int] = set()
+    for i, raw in enumerate(parts):
+        group_id, block_ids, keys = raw
+        if not isinstance(group_id, int) or not 0 <= group_id < num_groups:
+            problems.append(f"parts[{i}].group_id={group_id!r} not in [0, {num_groups})")
+            continue
+        if group_id in seen:
+            problems.append(f"parts[{i}]: group {group_id} appears twice; merge the parts")
+        seen.add(group_id)
+        if len(keys) != len(block_ids):
+            problems.append(
+                f"parts[{i}]: {len(keys)} keys for {len(block_ids)} block ids; need one each"
+            )
+        problem = check_block_ids(group_id, block_ids)
+        if problem:
+            problems.append(f"parts[{i}]: {problem}")
+        else:
+            checked.append(TransferPart(group_id, tuple(int(b) for b in block_ids), tuple(keys)))
+    if problems:
+        raise ValueError("invalid transfer parts: " + "; ".join(problems))
+    return tuple(checked)
+
+
+def build_result(
+    job: Job, statuses: Sequence[GetStatus | PutStatus], error: str | None
+) -> tuple[JobResult, dict[str, int]]:
+    """The job's result from per-key statuses (empty: every block failed), and the
+    number of failed blocks per status."""
+    ok: dict[int, tuple[int, ...]] = {}
+    failed: dict[int, tuple[int, ...]] = {}
+    counts: dict[str, int] = {}
+    start = 0
+    for part in job.parts:
+        n = len(part.block_ids)
+        part_statuses = statuses[start : start + n] if statuses else [None] * n
+        start += n
+        good = [is_ok(s) for s in part_statuses]
+        ok[part.group_id] = tuple(b for b, g in zip(part.block_ids, good, strict=True) if g)
+        failed[part.group_id] = tuple(b for b, g in zip(part.block_ids, good, strict=True) if not g)
+        for s in part_statuses:
+            if s is not None and not is_ok(s):
+                counts[s.value] = counts.get(s.value, 0) + 1
+    if counts and error is None:
+        error = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    result = JobResult(
+        job_id=job.job_id, kind=job.kind, ok_block_ids=ok, failed_block_ids=failed, error=error
+    )
+    return result, counts
+
+
+def is_ok(status: GetStatus | PutStatus | None) -> bool:
+    return status in (GetStatus.OK, PutStatus.OK, PutStatus.EXISTS)
