@@ -61,6 +61,10 @@ class TierStats:
     errors: int = 0
     evictions: int = 0
     deletes: int = 0
+    hit_tokens: int = 0
+    """Tokens of hits served by this tier, as reported by the connector."""
+    pending_loads: int = 0
+    """A gauge, not a counter: keys being loaded from this tier right now."""
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

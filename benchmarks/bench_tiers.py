@@ -1,0 +1,186 @@
+"""Throughput of the CPU and disk tiers against plain copies and plain file I/O.
+
+Run: ``.venv/bin/python benchmarks/bench_tiers.py [--dir DIR] [--total-mib 256]``.
+Every limit is measured in this run, interleaved with the tier it bounds (best
+of ``--repeat``): the CPU tier against one ``memcpy`` of the same bytes; the
+disk tier against one big file of the same total size, same fsync policy:
+
+* put into an empty tier (a fresh directory: every object a new file) vs
+  writing a new file;
+* put into a full tier (every put evicts: the steady state of a cache) vs
+  writing a new file;
+* get vs reading the file back.
+
+Prints GB/s and ratios (target for the disk tier: >= 0.70 of plain file I/O).
+Exits 0 unless it crashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from hybridkv.tiers.base import Buffer, StoreKey, Tier
+from hybridkv.tiers.codec import HEADER_BYTES
+from hybridkv.tiers.cpu import CpuConfig, CpuTier
+from hybridkv.tiers.disk import DiskConfig, DiskTier, FsyncPolicy
+
+TARGET_DISK_RATIO = 0.70
+_BATCH = 32
+_CHUNK_BYTES = 64 << 20
+
+
+class Pair:
+    """Best times of an operation and of the limit it is compared with."""
+
+    def __init__(self, name: str, limit_name: str) -> None:
+        self.name, self.limit_name = name, limit_name
+        self.seconds = self.limit_seconds = float("inf")
+
+    def measure(self, run: Callable[[], object], limit: Callable[[], object]) -> None:
+        self.limit_seconds = min(self.limit_seconds, timed(limit))
+        self.seconds = min(self.seconds, timed(run))
+
+
+def timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def put_all(tier: Tier, keys: list[StoreKey], objects: list[Buffer]) -> None:
+    for i in range(0, len(keys), _BATCH):
+        tier.put_many(keys[i : i + _BATCH], objects[i : i + _BATCH])
+
+
+def get_all(tier: Tier, keys: list[StoreKey], targets: list[Buffer]) -> None:
+    for i in range(0, len(keys), _BATCH):
+        statuses = tier.get_many_into(keys[i : i + _BATCH], targets[i : i + _BATCH])
+        assert all(status.value == "ok" for status in statuses), statuses
+
+
+def plain_write(path: Path, data: Buffer, fsync: FsyncPolicy) -> None:
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        view = data.data
+        for start in range(0, len(view), _CHUNK_BYTES):
+            chunk = view[start : start + _CHUNK_BYTES]
+            while chunk:
+                chunk = chunk[os.write(fd, chunk) :]
+        if fsync is not FsyncPolicy.NEVER:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def plain_read(path: Path, out: Buffer) -> None:
+    with open(path, "rb", buffering=0) as file:
+        view, done = out.data, 0
+        while done < len(view):
+            done += file.readinto(view[done : done + _CHUNK_BYTES]) or 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the disk runs go")
+    parser.add_argument("--object-kib", type=int, default=256)
+    parser.add_argument("--total-mib", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--fsync", choices=[p.value for p in FsyncPolicy], default="never")
+    parser.add_argument("--io-threads", type=int, default=4)
+    args = parser.parse_args()
+    object_bytes = args.object_kib << 10
+    num_objects = (args.total_mib << 20) // object_bytes
+    total_bytes = num_objects * object_bytes
+    fsync = FsyncPolicy(args.fsync)
+
+    source = np.random.default_rng(0).integers(0, 256, total_bytes, dtype=np.uint8)
+    out = np.zeros_like(source)
+    out.fill(0)
+    objects = [source[i * object_bytes : (i + 1) * object_bytes] for i in range(num_objects)]
+    targets = [out[i * object_bytes : (i + 1) * object_bytes] for i in range(num_objects)]
+
+    def keys(generation: int) -> list[StoreKey]:
+        return [StoreKey(f"bench/{generation}/{i}") for i in range(num_objects)]
+
+    cpu = CpuTier(CpuConfig(capacity_bytes=total_bytes + (1 << 20), pin_memory=False))
+    cpu_put, cpu_get = Pair("cpu put", "memcpy"), Pair("cpu get", "memcpy")
+    for _ in range(args.repeat):
+        cpu.delete_many(keys(0))
+        cpu_put.measure(lambda: put_all(cpu, keys(0), objects), lambda: np.copyto(out, source))
+        cpu_get.measure(lambda: get_all(cpu, keys(0), targets), lambda: np.copyto(out, source))
+    assert np.array_equal(out, source), "cpu tier returned wrong bytes"
+    cpu.check_integrity()
+    cpu.close()
+
+    work = Path(tempfile.mkdtemp(prefix="hybridkv-bench-", dir=args.dir))
+    pairs = [
+        Pair("disk put, empty tier", "write new file"),
+        Pair("disk put, full tier", "write new file"),
+        Pair("disk get", "read file"),
+    ]
+    try:
+        file_bytes = num_objects * (HEADER_BYTES + object_bytes)
+
+        def disk_config(name: str) -> DiskConfig:
+            return DiskConfig(
+                path=work / name,
+                capacity_bytes=file_bytes,
+                fsync=fsync,
+                num_io_threads=args.io_threads,
+            )
+
+        full = DiskTier(disk_config("full"))
+        big = work / "plain.bin"
+        put_all(full, keys(0), objects)  # from now on every put evicts
+        for generation in range(1, args.repeat + 1):
+            empty = DiskTier(disk_config(f"empty{generation}"))  # a fresh directory each time
+            pairs[0].measure(
+                partial(put_all, empty, keys(0), objects),
+                lambda: plain_write(big, source, fsync),
+            )
+            pairs[1].measure(
+                partial(put_all, full, keys(generation), objects),
+                lambda: plain_write(big, source, fsync),
+            )
+            out.fill(0)
+            pairs[2].measure(
+                partial(get_all, full, keys(generation), targets),
+                lambda: plain_read(big, out),
+            )
+            assert np.array_equal(out, source), "disk tier returned wrong bytes"
+            empty.check_integrity()
+            empty.close()
+        full.check_integrity()
+        full.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(
+        f"{num_objects} objects x {args.object_kib} KiB = {total_bytes / 2**20:.0f} MiB, "
+        f"fsync={fsync.value}, io threads={args.io_threads}, dir={args.dir}, "
+        f"best of {args.repeat}"
+    )
+    print(f"{'operation':<22} {'GB/s':>6}   {'limit':<15} {'GB/s':>6}   {'ratio':>5}")
+    for pair in [cpu_put, cpu_get, *pairs]:
+        rate = total_bytes / pair.seconds / 1e9
+        limit = total_bytes / pair.limit_seconds / 1e9
+        target = f"  (target >= {TARGET_DISK_RATIO:.2f})" if pair.name.startswith("disk") else ""
+        print(
+            f"{pair.name:<22} {rate:6.2f}   {pair.limit_name:<15} {limit:6.2f}   "
+            f"{rate / limit:5.2f}{target}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,341 @@
+"""The CPU tier: a bounded, LRU-evicted object store in one preallocated arena.
+
+Runs in the worker process. The arena is allocated and touched once at start
+(first-touch page faults are slow on these machines) and pinned when CUDA is
+present; objects are copied into extents of it handed out by an
+``ExtentAllocator`` (free extents indexed by exact size, so the few object
+sizes of a KV layout reuse each other's slots), never into fresh memory.
+Each entry keeps an xxh3-64 checksum that ``get_many_into`` verifies before
+copying out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Self
+
+import numpy as np
+
+from hybridkv.tiers.base import (
+    Buffer,
+    GetStatus,
+    PutStatus,
+    StoreKey,
+    Tier,
+    TierStats,
+    TierUsage,
+    check_batch,
+)
+from hybridkv.tiers.codec import checksum
+from hybridkv.tiers.registry import ConfigReader, value_problems
+
+logger = logging.getLogger(__name__)
+
+ALIGN_BYTES = 64
+"""Extents start on cache-line boundaries."""
+
+
+class ExtentAllocator:
+    """Hands out aligned extents of ``[0, total_bytes)``; not thread-safe.
+
+    ``allocate`` reuses a free extent of exactly the rounded size when one
+    exists, else splits the smallest free extent that fits (best fit). Freed
+    extents merge with free neighbours, so a fully freed arena is one extent.
+    """
+
+    def __init__(self, total_bytes: int, *, align: int = ALIGN_BYTES) -> None:
+        self.align = align
+        self.total_bytes = total_bytes - total_bytes % align
+        self._free_by_offset: dict[int, int] = {}
+        self._free_by_end: dict[int, int] = {}
+        self._free_by_size: dict[int, set[int]] = {}
+        self._allocated: dict[int, int] = {}
+        self.allocated_bytes = 0
+        if self.total_bytes > 0:
+            self._add_free(0, self.total_bytes)
+
+    def rounded(self, num_bytes: int) -> int:
+        return max(self.align, -(-num_bytes // self.align) * self.align)
+
+    def allocate(self, num_bytes: int) -> int | None:
+        """Offset of a new extent of at least ``num_bytes``, or None if none fits."""
+        size = self.rounded(num_bytes)
+        exact = self._free_by_size.get(size)
+        if exact:
+            offset = next(iter(exact))
+            self._remove_free(offset)
+        else:
+            fits = [free_size for free_size in self._free_by_size if free_size > size]
+            if not fits:
+                return None
+            offset = next(iter(self._free_by_size[min(fits)]))
+            free_size = self._remove_free(offset)
+            self._add_free(offset + size, free_size - size)
+        self._allocated[offset] = size
+        self.allocated_bytes += size
+        return offset
+
+    def free(self, offset: int) -> None:
+        size = self._allocated.pop(offset)
+        self.allocated_bytes -= size
+        end = offset + size
+        if end in self._free_by_offset:
+            size += self._remove_free(end)
+        left = self._free_by_end.get(offset)
+        if left is not None:
+            size += self._remove_free(left)
+            offset = left
+        self._add_free(offset, size)
+
+    def allocated(self) -> dict[int, int]:
+        """offset -> size of every allocated extent (a copy)."""
+        return dict(self._allocated)
+
+    def _add_free(self, offset: int, size: int) -> None:
+        self._free_by_offset[offset] = size
+        self._free_by_end[offset + size] = offset
+        self._free_by_size.setdefault(size, set()).add(offset)
+
+    def _remove_free(self, offset: int) -> int:
+        size = self._free_by_offset.pop(offset)
+        del self._free_by_end[offset + size]
+        same_size = self._free_by_size[size]
+        same_size.discard(offset)
+        if not same_size:
+            del self._free_by_size[size]
+        return size
+
+    def check_integrity(self) -> None:
+        extents = sorted([*self._allocated.items(), *self._free_by_offset.items()])
+        position = 0
+        for offset, size in extents:
+            assert offset == position, f"gap or overlap at {position}: next extent at {offset}"
+            assert size > 0 and offset % self.align == 0 and size % self.align == 0
+            position = offset + size
+        assert position == self.total_bytes, f"extents cover {position} of {self.total_bytes}"
+        assert self.allocated_bytes == sum(self._allocated.values())
+        for offset, size in self._free_by_offset.items():
+            assert self._free_by_end[offset + size] == offset
+            assert offset in self._free_by_size[size]
+            assert offset + size not in self._free_by_offset, "adjacent free extents not merged"
+        assert len(self._free_by_end) == len(self._free_by_offset)
+        assert sum(map(len, self._free_by_size.values())) == len(self._free_by_offset)
+
+
+def allocate_arena(num_bytes: int, *, pin_memory: bool | None) -> tuple[Buffer, object | None]:
+    """A touched uint8 arena; pinned (page-locked) when asked or, for None, when CUDA is up.
+
+    Returns the array and the object that owns its memory (a torch tensor when
+    pinned) which must stay referenced as long as the array is used.
+    """
+    if pin_memory is not False:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if pin_memory and not cuda:
+            raise ValueError("pin_memory=True needs CUDA, which is not available; use null (auto)")
+        if cuda:
+            tensor = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+            arena: Buffer = tensor.numpy()
+            arena.fill(0)
+            return arena, tensor
+    arena = np.empty(num_bytes, dtype=np.uint8)
+    arena.fill(0)  # first touch now, not on the data path
+    return arena, None
+
+
+_CPU_KEYS = {
+    "capacity_bytes": 'arena size, int or "4GiB" (required)',
+    "load_weight": "relative cost of loading from this tier, > 0 (default 1.0)",
+    "pin_memory": "true, false, or null = pin when CUDA is available (default null)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuConfig:
+    capacity_bytes: int
+    load_weight: float = 1.0
+    """Relative loading cost; lower is cheaper (see ``hybridkv.tiers.tiered``)."""
+    pin_memory: bool | None = None
+    """None: pin when ``torch.cuda.is_available()``."""
+
+    def __post_init__(self) -> None:
+        problems = value_problems(
+            capacity_bytes=self.capacity_bytes, minimum=ALIGN_BYTES, load_weight=self.load_weight
+        )
+        if problems:
+            raise ValueError("invalid CpuConfig: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, where: str) -> Self:
+        reader = ConfigReader(raw, where=where, allowed=_CPU_KEYS)
+        capacity_bytes = reader.byte_size("capacity_bytes", minimum=ALIGN_BYTES)
+        load_weight = reader.positive_float("load_weight", default=1.0)
+        pin_memory = reader.optional_bool("pin_memory")
+        reader.finish()
+        return cls(capacity_bytes=capacity_bytes, load_weight=load_weight, pin_memory=pin_memory)
+
+    def build(self) -> CpuTier:
+        return CpuTier(self)
+
+
+class _Entry(NamedTuple):
+    offset: int
+    num_bytes: int
+    checksum: int
+
+
+class CpuTier(Tier):
+    """Objects in one arena; least recently used (put or hit) evicted first.
+
+    Thread-safe: one lock guards the index and the copies (a copy of a block
+    is microseconds; holding the lock keeps an evicted extent from being
+    overwritten while it is read).
+    """
+
+    def __init__(self, config: CpuConfig, *, name: str = "cpu") -> None:
+        self.name = name
+        self.load_weight = config.load_weight
+        self.capacity_bytes = config.capacity_bytes
+        self._arena, self._arena_owner = allocate_arena(
+            config.capacity_bytes, pin_memory=config.pin_memory
+        )
+        self._allocator = ExtentAllocator(config.capacity_bytes)
+        self._entries: OrderedDict[StoreKey, _Entry] = OrderedDict()
+        self._used_bytes = 0
+        self._stats = TierStats()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def is_pinned(self) -> bool:
+        return self._arena_owner is not None
+
+    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            found = [key in self._entries for key in keys]
+            self._stats.queries += len(keys)
+            self._stats.hits += sum(found)
+            self._stats.misses += len(keys) - sum(found)
+        return found
+
+    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+        check_batch(keys, buffers)
+        with self._lock:
+            self._check_open()
+            return [self._put(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+
+    def _put(self, key: StoreKey, buf: Buffer) -> PutStatus:
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return PutStatus.EXISTS
+        offset = self._make_room(len(buf))
+        if offset is None:
+            self._stats.put_skipped_full += 1
+            return PutStatus.FULL
+        stored = self._arena[offset : offset + len(buf)]
+        np.copyto(stored, buf)
+        self._entries[key] = _Entry(offset, len(buf), checksum(stored))
+        self._used_bytes += len(buf)
+        self._stats.puts += 1
+        self._stats.put_bytes += len(buf)
+        return PutStatus.OK
+
+    def _make_room(self, num_bytes: int) -> int | None:
+        if self._allocator.rounded(num_bytes) > self._allocator.total_bytes:
+            return None
+        offset = self._allocator.allocate(num_bytes)
+        while offset is None and self._entries:
+            self._drop(next(iter(self._entries)))
+            self._stats.evictions += 1
+            offset = self._allocator.allocate(num_bytes)
+        return offset
+
+    def _drop(self, key: StoreKey) -> None:
+        entry = self._entries.pop(key)
+        self._allocator.free(entry.offset)
+        self._used_bytes -= entry.num_bytes
+
+    def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
+        check_batch(keys, buffers)
+        with self._lock:
+            self._check_open()
+            return [self._get(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+
+    def _get(self, key: StoreKey, buf: Buffer) -> GetStatus:
+        entry = self._entries.get(key)
+        if entry is None:
+            return GetStatus.MISS
+        stored = self._arena[entry.offset : entry.offset + entry.num_bytes]
+        if entry.num_bytes != len(buf) or checksum(stored) != entry.checksum:
+            logger.warning(
+                "cpu tier %s: object %s is corrupt (stored %d bytes, asked %d); dropped",
+                self.name,
+                key,
+                entry.num_bytes,
+                len(buf),
+            )
+            self._stats.corrupt += 1
+            self._drop(key)
+            return GetStatus.CORRUPT
+        np.copyto(buf, stored)
+        self._entries.move_to_end(key)
+        self._stats.gets += 1
+        self._stats.get_bytes += entry.num_bytes
+        return GetStatus.OK
+
+    def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        with self._lock:
+            self._check_open()
+            present = [key for key in keys if key in self._entries]
+            for key in present:
+                self._drop(key)
+            self._stats.deletes += len(present)
+        return len(present)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(
+                num_objects=len(self._entries),
+                used_bytes=self._used_bytes,
+                capacity_bytes=self.capacity_bytes,
+            )
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(**self._stats.as_dict())
+
+    def keys_lru_order(self) -> list[StoreKey]:
+        """Stored keys, least recently used first (the next to be evicted first)."""
+        with self._lock:
+            return list(self._entries)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._allocator.check_integrity()
+            by_offset = {entry.offset: entry for entry in self._entries.values()}
+            assert len(by_offset) == len(self._entries), "two entries share an extent"
+            allocated = self._allocator.allocated()
+            assert allocated.keys() == by_offset.keys(), "allocator and index disagree"
+            for offset, entry in by_offset.items():
+                assert self._allocator.rounded(entry.num_bytes) == allocated[offset]
+            assert self._used_bytes == sum(e.num_bytes for e in self._entries.values())
+            assert self._used_bytes <= self._allocator.allocated_bytes <= self.capacity_bytes
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._entries.clear()
+            self._allocator = ExtentAllocator(0)
+            self._used_bytes = 0
+            self._arena = np.empty(0, dtype=np.uint8)
+            self._arena_owner = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"cpu tier {self.name} is closed")

@@ -1,0 +1,491 @@
+"""A store over several tiers: union lookup, cheapest reads, promotion, write-back.
+
+Runs in the worker process; the lookups (``contains_many*``, ``choose_tier``)
+also serve the scheduler's hit search.
+
+Weights. A tier's ``load_weight`` is its relative cost of loading a block:
+lower is cheaper (defaults: CPU 1.0, disk 4.0).
+
+* ``Selection.PER_BLOCK``: every block is read from the cheapest tier that
+  holds it (tiers are tried in increasing ``load_weight``, ties by position).
+* ``Selection.WHOLE_REQUEST``: one tier serves the whole request, the one with
+  the most ``hit_tokens / load_weight`` (hit tokens per unit of loading cost;
+  ties go to the earlier tier). This is vLLM MultiConnector's
+  ``hit_tokens x weight`` rule with its preference weight = 1 / load_weight,
+  so with equal hits both modes prefer the same (cheapest) tier. The store
+  only records the mode (``selection``); the connector runs its hit search
+  once per tier (``contains_many(keys, tier_index=i)``), asks
+  ``choose_tier(hit_tokens_per_tier)`` and loads with
+  ``get_many_into(..., tier_index=winner)``. Without ``tier_index`` every
+  call is per block over the union.
+
+Stores go to the first tier synchronously and reach the lower tiers through a
+background write-back thread that copies the bytes into its own staging arena
+first (callers reuse their buffers). A tier that raises never breaks the
+store: the error is logged once, counted, and answered as a miss.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from hybridkv.tiers.base import (
+    Buffer,
+    GetStatus,
+    PutStatus,
+    StoreKey,
+    Tier,
+    TierStats,
+    TierUsage,
+    check_batch,
+)
+from hybridkv.tiers.cpu import CpuTier, ExtentAllocator, allocate_arena
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_WRITE_BACK_BATCH_KEYS = 64
+_GET_SEVERITY = {GetStatus.MISS: 0, GetStatus.ERROR: 1, GetStatus.CORRUPT: 2}
+_PUT_RANK = {PutStatus.OK: 0, PutStatus.EXISTS: 1, PutStatus.FULL: 2, PutStatus.ERROR: 3}
+
+
+class Selection(enum.Enum):
+    PER_BLOCK = "per_block"
+    WHOLE_REQUEST = "whole_request"
+
+
+def pick_whole_request_tier(
+    hit_tokens_per_tier: Sequence[int], load_weights: Sequence[float]
+) -> int | None:
+    """Index of the tier with the most ``hit_tokens / load_weight``; None if no tier hits."""
+    if len(hit_tokens_per_tier) != len(load_weights):
+        raise ValueError(
+            f"{len(hit_tokens_per_tier)} hit counts but {len(load_weights)} weights; "
+            "give one of each per tier"
+        )
+    best: int | None = None
+    best_score = 0.0
+    for index, (hit_tokens, weight) in enumerate(
+        zip(hit_tokens_per_tier, load_weights, strict=True)
+    ):
+        if weight <= 0:
+            raise ValueError(f"load_weights[{index}]={weight}: must be > 0")
+        if hit_tokens > 0 and (best is None or hit_tokens / weight > best_score):
+            best, best_score = index, hit_tokens / weight
+    return best
+
+
+@dataclass(kw_only=True)
+class WriteBackStats:
+    num_queued: int = 0
+    num_written: int = 0
+    """Keys whose write-back finished (each lower tier answered)."""
+    num_skipped: int = 0
+    """Keys not queued: the staging arena was full (or closed)."""
+    num_failed: int = 0
+    """(key, tier) writes that answered ERROR or raised."""
+
+
+class _WriteBack:
+    """Staged copies of stored blocks, written to the lower tiers by one thread."""
+
+    def __init__(
+        self, write: Callable[[list[StoreKey], list[Buffer]], int], capacity_bytes: int
+    ) -> None:
+        self._write = write
+        """Puts a batch into the lower tiers; returns the number of failed (key, tier) writes."""
+        self._arena, self._arena_owner = allocate_arena(capacity_bytes, pin_memory=False)
+        self._allocator = ExtentAllocator(capacity_bytes)
+        self._queued: OrderedDict[StoreKey, tuple[int, int]] = OrderedDict()
+        self._in_flight: dict[StoreKey, tuple[int, int]] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self.stats = WriteBackStats()
+        self._thread = threading.Thread(target=self._run, name="hybridkv-write-back", daemon=True)
+        self._thread.start()
+
+    def submit_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[bool]:
+        """Copy and queue each block; False where it was skipped (no room)."""
+        return [self._submit(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+
+    def _submit(self, key: StoreKey, buf: Buffer) -> bool:
+        with self._cond:  # copying under the lock keeps cancel() exact; it takes microseconds
+            if key in self._queued or key in self._in_flight:
+                return True
+            offset = None if self._closed else self._allocator.allocate(len(buf))
+            if offset is None:
+                self.stats.num_skipped += 1
+                return False
+            np.copyto(self._arena[offset : offset + len(buf)], buf)
+            self._queued[key] = (offset, len(buf))
+            self.stats.num_queued += 1
+            self._cond.notify_all()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queued) or self._closed)
+                if not self._queued:
+                    return
+                while self._queued and len(self._in_flight) < _WRITE_BACK_BATCH_KEYS:
+                    key, extent = self._queued.popitem(last=False)
+                    self._in_flight[key] = extent
+                batch = list(self._in_flight.items())
+            keys = [key for key, _ in batch]
+            views = [self._arena[offset : offset + size] for _, (offset, size) in batch]
+            try:
+                num_failed = self._write(keys, views)
+            except Exception:  # a bug must not kill the thread and hang flush()
+                logger.exception("write-back of %d blocks failed", len(keys))
+                num_failed = len(keys)
+            with self._cond:
+                for offset, _ in self._in_flight.values():
+                    self._allocator.free(offset)
+                self._in_flight.clear()
+                self.stats.num_written += len(batch)
+                self.stats.num_failed += num_failed
+                self._cond.notify_all()
+
+    def cancel(self, keys: Sequence[StoreKey]) -> None:
+        """Drop queued writes of ``keys`` and wait for an in-flight batch holding any."""
+        with self._cond:
+            for key in keys:
+                extent = self._queued.pop(key, None)
+                if extent is not None:
+                    self._allocator.free(extent[0])
+            wanted = set(keys)
+            self._cond.wait_for(lambda: not wanted & self._in_flight.keys())
+
+    def flush(self, timeout_s: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._queued and not self._in_flight, timeout=timeout_s
+            )
+
+    def close(self, timeout_s: float) -> None:
+        finished = self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            for offset, _ in self._queued.values():
+                self._allocator.free(offset)
+            self.stats.num_skipped += len(self._queued)
+            self._queued.clear()
+            self._cond.notify_all()
+        if finished:
+            self._thread.join(timeout_s)
+
+    def snapshot(self) -> WriteBackStats:
+        with self._cond:
+            return WriteBackStats(**vars(self.stats))
+
+    def check_integrity(self) -> None:
+        with self._cond:
+            self._allocator.check_integrity()
+            extents = {offset: size for offset, size in self._queued.values()}
+            extents.update(self._in_flight.values())
+            allocated = self._allocator.allocated()
+            assert allocated.keys() == extents.keys(), "staging extents leaked"
+            assert all(self._allocator.rounded(extents[o]) == s for o, s in allocated.items())
+            assert not self._queued.keys() & self._in_flight.keys()
+
+
+def _unique_names(tiers: Sequence[Tier]) -> tuple[str, ...]:
+    names: list[str] = []
+    for index, tier in enumerate(tiers):
+        names.append(tier.name if tier.name not in names else f"{tier.name}#{index}")
+    return tuple(names)
+
+
+class TieredStore(Tier):
+    """Several tiers behind the ``Tier`` protocol (see the module docstring for weights).
+
+    ``tiers[0]`` takes stores synchronously (normally the CPU tier); with
+    ``write_back`` the others receive them asynchronously, without it
+    synchronously. With ``promote``, a block read from another tier is copied
+    into the first ``CpuTier`` (best effort).
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        selection: Selection = Selection.PER_BLOCK,
+        promote: bool = True,
+        write_back: bool = True,
+        write_back_bytes: int = 64 << 20,
+        name: str = "tiered",
+    ) -> None:
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier; pass e.g. [CpuTier(...)]")
+        if write_back_bytes <= 0:
+            raise ValueError(f"write_back_bytes={write_back_bytes}: must be > 0")
+        self.name = name
+        self.tiers = tuple(tiers)
+        self.tier_names = _unique_names(self.tiers)
+        self.selection = selection
+        self.promote = promote
+        self.load_weight = min(tier.load_weight for tier in self.tiers)
+        self._read_order = sorted(range(len(tiers)), key=lambda i: (tiers[i].load_weight, i))
+        cpu_indices = [i for i, tier in enumerate(self.tiers) if isinstance(tier, CpuTier)]
+        self._promote_to = cpu_indices[0] if promote and cpu_indices else None
+        self._stats = TierStats()
+        self._hit_tokens = [0] * len(tiers)
+        self._pending_loads = [0] * len(tiers)
+        self._errors = [0] * len(tiers)
+        self._lock = threading.Lock()
+        self._write_back = (
+            _WriteBack(self._write_lower, write_back_bytes)
+            if write_back and len(tiers) > 1
+            else None
+        )
+
+    # Lookups -----------------------------------------------------------------
+
+    def contains_many(
+        self, keys: Sequence[StoreKey], *, tier_index: int | None = None
+    ) -> list[bool]:
+        """Union over the tiers, or only ``tiers[tier_index]``."""
+        found = [False] * len(keys)
+        for index in self._read_order if tier_index is None else [tier_index]:
+            todo = [j for j, hit in enumerate(found) if not hit]
+            if not todo:
+                break
+            answers = self._contains_in(index, [keys[j] for j in todo])
+            for j, hit in zip(todo, answers, strict=True):
+                found[j] = hit
+        with self._lock:
+            self._stats.queries += len(keys)
+            self._stats.hits += sum(found)
+            self._stats.misses += len(keys) - sum(found)
+        return found
+
+    def contains_many_by_tier(self, keys: Sequence[StoreKey]) -> list[list[bool]]:
+        """``result[tier_index][j]``: whether that tier holds ``keys[j]``."""
+        return [self._contains_in(index, keys) for index in range(len(self.tiers))]
+
+    def choose_tier(self, hit_tokens_per_tier: Sequence[int]) -> int | None:
+        """The WHOLE_REQUEST winner for these per-tier hit lengths (None: no hit)."""
+        return pick_whole_request_tier(hit_tokens_per_tier, [t.load_weight for t in self.tiers])
+
+    def _contains_in(self, index: int, keys: Sequence[StoreKey]) -> list[bool]:
+        return self._batch(index, "contains", False, self.tiers[index].contains_many, keys)
+
+    # Data path ---------------------------------------------------------------
+
+    def get_many_into(
+        self, keys: Sequence[StoreKey], buffers: Sequence[Buffer], *, tier_index: int | None = None
+    ) -> list[GetStatus]:
+        """Read each key from the cheapest tier holding it, or only ``tiers[tier_index]``.
+
+        A key that fails in one tier (miss, corrupt, error) is tried in the next.
+        """
+        check_batch(keys, buffers)
+        statuses = [GetStatus.MISS] * len(keys)
+        sources = [-1] * len(keys)
+        todo = list(range(len(keys)))
+        for index in self._read_order if tier_index is None else [tier_index]:
+            if not todo:
+                break
+            answers = self._get_from(index, [keys[j] for j in todo], [buffers[j] for j in todo])
+            for j, status in zip(todo, answers, strict=True):
+                if status is GetStatus.OK:
+                    statuses[j], sources[j] = status, index
+                elif _GET_SEVERITY[status] > _GET_SEVERITY[statuses[j]]:
+                    statuses[j] = status  # the most telling failure is reported
+            todo = [j for j in todo if statuses[j] is not GetStatus.OK]
+        self._promote(keys, buffers, sources)
+        num_ok = len(keys) - len(todo)
+        with self._lock:
+            self._stats.gets += num_ok
+            self._stats.get_bytes += sum(len(buffers[j]) for j, s in enumerate(sources) if s >= 0)
+            self._stats.corrupt += sum(statuses[j] is GetStatus.CORRUPT for j in todo)
+        return statuses
+
+    def _get_from(
+        self, index: int, keys: Sequence[StoreKey], buffers: Sequence[Buffer]
+    ) -> list[GetStatus]:
+        tier = self.tiers[index]
+        with self._lock:
+            self._pending_loads[index] += len(keys)
+        try:
+            return self._batch(index, "get", GetStatus.ERROR, tier.get_many_into, keys, buffers)
+        finally:
+            with self._lock:
+                self._pending_loads[index] -= len(keys)
+
+    def _promote(
+        self, keys: Sequence[StoreKey], buffers: Sequence[Buffer], sources: Sequence[int]
+    ) -> None:
+        """Best effort: copy blocks read from other tiers into the first CPU tier."""
+        target = self._promote_to
+        moved = [j for j, source in enumerate(sources) if source not in (-1, target)]
+        if target is not None and moved:
+            promoted_keys, promoted_buffers = [keys[j] for j in moved], [buffers[j] for j in moved]
+            put_many = self.tiers[target].put_many
+            self._batch(
+                target, "promote", PutStatus.ERROR, put_many, promoted_keys, promoted_buffers
+            )
+
+    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+        """Store into ``tiers[0]`` now and into the others by write-back (or now, without it).
+
+        A key counts as OK when the first tier stored it or it was queued for write-back.
+        """
+        check_batch(keys, buffers)
+        first = self._put_into(0, keys, buffers)
+        if self._write_back is not None:
+            todo = [j for j, status in enumerate(first) if status is not PutStatus.EXISTS]
+            queued = self._write_back.submit_many(
+                [keys[j] for j in todo], [buffers[j] for j in todo]
+            )
+            results = list(first)
+            for j, was_queued in zip(todo, queued, strict=True):
+                if was_queued and results[j] is not PutStatus.OK:
+                    results[j] = PutStatus.OK
+        else:
+            results = list(first)
+            for index in range(1, len(self.tiers)):
+                answers = self._put_into(index, keys, buffers)
+                results = [
+                    min(a, b, key=_PUT_RANK.__getitem__)
+                    for a, b in zip(results, answers, strict=True)
+                ]
+        with self._lock:
+            stored = [j for j, status in enumerate(results) if status is PutStatus.OK]
+            self._stats.puts += len(stored)
+            self._stats.put_bytes += sum(len(buffers[j]) for j in stored)
+            self._stats.put_skipped_full += results.count(PutStatus.FULL)
+        return results
+
+    def _put_into(
+        self, index: int, keys: Sequence[StoreKey], buffers: Sequence[Buffer]
+    ) -> list[PutStatus]:
+        return self._batch(index, "put", PutStatus.ERROR, self.tiers[index].put_many, keys, buffers)
+
+    def _write_lower(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> int:
+        """Write-back thread: put into every tier but the first; returns failures."""
+        answers = [self._put_into(index, keys, buffers) for index in range(1, len(self.tiers))]
+        return sum(status is PutStatus.ERROR for per_tier in answers for status in per_tier)
+
+    def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        """Remove from every tier (and from the write-back queue); returns keys found anywhere."""
+        if self._write_back is not None:
+            self._write_back.cancel(keys)
+        present = self.contains_many(keys)
+        for index, tier in enumerate(self.tiers):
+            self._guard(index, "delete", 0, tier.delete_many, keys)
+        with self._lock:
+            self._stats.deletes += sum(present)
+        return sum(present)
+
+    # Bookkeeping ---------------------------------------------------------------
+
+    def record_hit_tokens(self, tier_index: int, num_tokens: int) -> None:
+        """Credit ``num_tokens`` of a request's hit to ``tiers[tier_index]``."""
+        with self._lock:
+            self._hit_tokens[tier_index] += num_tokens
+            self._stats.hit_tokens += num_tokens
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued write-back is done; False on timeout."""
+        return True if self._write_back is None else self._write_back.flush(timeout_s)
+
+    def write_back_stats(self) -> WriteBackStats:
+        if self._write_back is None:
+            return WriteBackStats()
+        return self._write_back.snapshot()
+
+    def usage(self) -> TierUsage:
+        """Sums over the tiers (an object held by two tiers counts twice)."""
+        usages = [self._guard(i, "usage", None, tier.usage) for i, tier in enumerate(self.tiers)]
+        known = [u for u in usages if u is not None]
+        capacities = [u.capacity_bytes if u is not None else None for u in usages]
+        return TierUsage(
+            num_objects=sum(u.num_objects for u in known),
+            used_bytes=sum(u.used_bytes for u in known),
+            capacity_bytes=None if None in capacities else sum(c or 0 for c in capacities),
+        )
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            stats = TierStats(**self._stats.as_dict())
+            stats.pending_loads = sum(self._pending_loads)
+            stats.errors = sum(self._errors)
+        return stats
+
+    def stats_by_tier(self) -> dict[str, TierStats]:
+        """Each tier's own counters plus what the store counts for it (hit tokens,
+        pending loads, exceptions it caught)."""
+        result = {}
+        for index, (name, tier) in enumerate(zip(self.tier_names, self.tiers, strict=True)):
+            own = self._guard(index, "stats", None, tier.stats)
+            stats = TierStats(**own.as_dict()) if own is not None else TierStats()
+            with self._lock:
+                stats.hit_tokens = self._hit_tokens[index]
+                stats.pending_loads = self._pending_loads[index]
+                stats.errors += self._errors[index]
+            result[name] = stats
+        return result
+
+    def check_integrity(self) -> None:
+        for tier in self.tiers:
+            tier.check_integrity()
+        if self._write_back is not None:
+            self._write_back.check_integrity()
+        with self._lock:
+            assert all(n >= 0 for n in self._pending_loads), self._pending_loads
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Flush write-back (up to ``timeout_s``), stop its thread, close every tier."""
+        if self._write_back is not None:
+            self._write_back.close(timeout_s)
+        for index, tier in enumerate(self.tiers):
+            self._guard(index, "close", None, tier.close)
+
+    def _batch(
+        self,
+        index: int,
+        what: str,
+        failed: T,
+        call: Callable[..., list[T]],
+        keys: Sequence[StoreKey],
+        *args: object,
+    ) -> list[T]:
+        """One batched tier call; a wrong-length answer counts as an error."""
+
+        def checked() -> list[T]:
+            answers = call(keys, *args)
+            if len(answers) != len(keys):
+                raise RuntimeError(f"answered {len(answers)} results for {len(keys)} keys")
+            return answers
+
+        return self._guard(index, what, [failed] * len(keys), checked)
+
+    def _guard(self, index: int, what: str, failed: T, call: Callable[..., T], *args: object) -> T:
+        """Run ``call(*args)`` on tier ``index``; an exception is logged once, counted, and
+        answered with ``failed``."""
+        try:
+            return call(*args)
+        except Exception as exc:
+            with self._lock:
+                first = self._errors[index] == 0
+                self._errors[index] += 1
+            logger.log(
+                logging.WARNING if first else logging.DEBUG,
+                "tiered store %s: %s on tier %s failed: %r",
+                self.name,
+                what,
+                self.tier_names[index],
+                exc,
+            )
+            return failed
