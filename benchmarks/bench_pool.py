@@ -1,0 +1,207 @@
+"""Throughput of the shared-pool tiers against their raw clients' best batched calls.
+
+Run: ``.venv/bin/python benchmarks/bench_pool.py [--num-values 64] [--value-kib 256]``.
+Starts its own Mooncake master + storage daemon and valkey-server on
+127.0.0.1. Every number is measured in this run, on the same values:
+
+* Mooncake: ``MooncakeTier.put_many``/``get_many_into`` against the raw
+  client's ``batch_put_from``/``batch_get_into`` on a registered buffer that
+  already holds the values (no header, no checksum, no copy).
+* Valkey: ``ValkeyTier`` against a pipelined ``SET``/``GET`` of prebuilt
+  ``bytes`` with the plain redis client (hiredis).
+
+Each repeat times one raw batch and one tier batch back to back (alternating
+which goes first) and keeps their ratio, so load from other processes hits
+both sides alike. The verdict is the median paired ratio (target >= 0.80);
+GB/s of the best batches are printed for scale. Exits 0 unless it crashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+import numpy as np
+
+from hybridkv.pool import LocalPool
+from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
+from hybridkv.tiers.mooncake import MooncakeConfig, MooncakeTier
+from hybridkv.tiers.valkey import ValkeyConfig, ValkeyTier
+
+TARGET_RATIO = 0.80
+MIB = 1 << 20
+
+Batch = Callable[[list[str]], tuple[float, float]]
+"""Stores then loads one batch under the given keys; returns (put, get) seconds."""
+
+
+def fresh_keys(num_keys: int) -> list[str]:
+    prefix = uuid.uuid4().hex
+    return [f"bench/{prefix}/{i}" for i in range(num_keys)]
+
+
+def seconds(call: Callable[..., Any], *args: Any) -> float:
+    start = time.perf_counter()
+    call(*args)
+    return time.perf_counter() - start
+
+
+def mooncake_batches(pool: LocalPool, values: list[np.ndarray]) -> tuple[Batch, Batch, Any]:
+    from mooncake.store import MooncakeDistributedStore
+
+    num, size = len(values), len(values[0])
+    raw: Any = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", pool.master_address) == 0
+    source, sink = np.concatenate(values), np.zeros(num * size, dtype=np.uint8)
+    sink.fill(0)  # touched now, like the tier's arena
+    for buffer in (source, sink):
+        assert raw.register_buffer(int(buffer.ctypes.data), buffer.nbytes) == 0
+    source_ptrs = [int(source.ctypes.data) + i * size for i in range(num)]
+    sink_ptrs = [int(sink.ctypes.data) + i * size for i in range(num)]
+    tier = MooncakeTier(MooncakeConfig(master_address=pool.master_address))
+    outs = [np.zeros(size, dtype=np.uint8) for _ in range(num)]
+
+    def raw_batch(keys: list[str]) -> tuple[float, float]:
+        put = seconds(raw.batch_put_from, keys, source_ptrs, [size] * num)
+        get = seconds(raw.batch_get_into, keys, sink_ptrs, [size] * num)
+        assert np.array_equal(sink, source)
+        assert raw.batch_remove(keys, True) == [0] * num
+        return put, get
+
+    def tier_batch(keys: list[str]) -> tuple[float, float]:
+        store_keys = [StoreKey(key) for key in keys]
+        put = seconds(tier.put_many, store_keys, values)
+        get = seconds(tier.get_many_into, store_keys, outs)
+        assert tier.get_many_into(store_keys, outs) == [GetStatus.OK] * num
+        assert all(np.array_equal(o, v) for o, v in zip(outs, values, strict=True))
+        assert tier.delete_many(store_keys) == num
+        return put, get
+
+    def close() -> None:
+        assert tier.stats().errors == 0
+        tier.check_integrity()
+        tier.close()
+        raw.close()
+
+    return raw_batch, tier_batch, close
+
+
+def valkey_batches(pool: LocalPool, values: list[np.ndarray]) -> tuple[Batch, Batch, Any]:
+    import redis
+
+    raw = redis.Redis(host="127.0.0.1", port=pool.valkey_port)
+    blobs = [value.tobytes() for value in values]
+    tier = ValkeyTier(ValkeyConfig(port=pool.valkey_port))
+    outs = [np.zeros(len(values[0]), dtype=np.uint8) for _ in values]
+
+    def raw_set(keys: list[str]) -> None:
+        pipe = raw.pipeline(transaction=False)
+        for key, blob in zip(keys, blobs, strict=True):
+            pipe.set(key, blob)
+        assert pipe.execute() == [True] * len(keys)
+
+    def raw_get(keys: list[str]) -> list[bytes]:
+        pipe = raw.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        return list(pipe.execute())
+
+    def raw_batch(keys: list[str]) -> tuple[float, float]:
+        put, get = seconds(raw_set, keys), seconds(raw_get, keys)
+        assert raw_get(keys) == blobs
+        raw.delete(*keys)
+        return put, get
+
+    def tier_batch(keys: list[str]) -> tuple[float, float]:
+        store_keys = [StoreKey(key) for key in keys]
+        put = seconds(tier.put_many, store_keys, values)
+        get = seconds(tier.get_many_into, store_keys, outs)
+        assert tier.put_many(store_keys, values) == [PutStatus.EXISTS] * len(values)
+        assert all(np.array_equal(o, v) for o, v in zip(outs, values, strict=True))
+        assert tier.delete_many(store_keys) == len(values)
+        return put, get
+
+    def close() -> None:
+        assert tier.stats().errors == 0
+        tier.check_integrity()
+        tier.close()
+        raw.close()
+
+    return raw_batch, tier_batch, close
+
+
+def measure(raw_batch: Batch, tier_batch: Batch, num_values: int, repeat: int) -> dict[str, Any]:
+    """Per op: raw and tier seconds of each repeat (after one warm-up pair)."""
+    samples: dict[str, list[tuple[float, float]]] = {"put": [], "get": []}
+    for rep in range(repeat + 1):
+        if rep % 2:
+            tier = tier_batch(fresh_keys(num_values))
+            raw = raw_batch(fresh_keys(num_values))
+        else:
+            raw = raw_batch(fresh_keys(num_values))
+            tier = tier_batch(fresh_keys(num_values))
+        if rep:
+            samples["put"].append((raw[0], tier[0]))
+            samples["get"].append((raw[1], tier[1]))
+    return samples
+
+
+def print_table(results: dict[str, dict[str, Any]], batch_bytes: int) -> None:
+    header = f"{'backend':9} {'op':4} {'raw GB/s':>9} {'tier GB/s':>10} {'tier/raw':>9}"
+    print(f"{header}  {'quartiles':>11}  target")
+    for backend, ops in results.items():
+        for op, pairs in ops.items():
+            raw_rate = batch_bytes / min(raw for raw, _ in pairs) / 1e9
+            tier_rate = batch_bytes / min(tier for _, tier in pairs) / 1e9
+            ratios = [raw / tier for raw, tier in pairs]
+            low, median, high = statistics.quantiles(ratios, n=4)
+            verdict = "ok" if median >= TARGET_RATIO else "LOW"
+            row = f"{backend:9} {op:4} {raw_rate:9.2f} {tier_rate:10.2f} {median:9.2f}"
+            print(f"{row}  {low:5.2f}-{high:<5.2f}  >= {TARGET_RATIO} {verdict}")
+    print("GB/s: best batch; tier/raw: median of paired batches (target on it)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-values", type=int, default=64, help="values per batch")
+    parser.add_argument("--value-kib", type=int, default=256, help="size of one value")
+    parser.add_argument("--repeat", type=int, default=15, help="timed batch pairs per backend")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    size = args.value_kib << 10
+    values = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(args.num_values)]
+    batch_bytes = args.num_values * size
+    mib = batch_bytes / MIB
+    print(f"{args.num_values} x {args.value_kib} KiB = {mib:.0f} MiB a batch, {args.repeat} pairs")
+    segment_bytes = max(256 * MIB, 8 * batch_bytes)
+    results: dict[str, dict[str, Any]] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="hybridkv-bench-pool-") as run_dir,
+        LocalPool.start(
+            Path(run_dir),
+            segment_bytes=segment_bytes,
+            valkey=True,
+            valkey_maxmemory_bytes=segment_bytes,
+        ) as pool,
+    ):
+        for backend, make in (("mooncake", mooncake_batches), ("valkey", valkey_batches)):
+            raw_batch, tier_batch, close = make(pool, values)
+            try:
+                results[backend] = measure(raw_batch, tier_batch, args.num_values, args.repeat)
+            finally:
+                close()
+    print_table(results, batch_bytes)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

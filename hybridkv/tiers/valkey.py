@@ -1,0 +1,473 @@
+"""The Valkey tier: the shared pool for shops that already run Valkey or Redis.
+
+Runs in the worker process (bytes) and in the scheduler process
+(``contains_many``). One object per key: the codec header followed by the
+payload. Every call is one pipelined round trip (``SET NX``/``GET``/
+``EXISTS``/``DEL``). The ``redis`` client connects (TLS, AUTH, SELECT, pool);
+stores send the caller's buffer straight to the socket (header and payload
+as separate pieces, no joined copy); replies are read off the socket as they
+arrive (``ReplyReader``), each value into a reusable staging buffer, checked
+against its header and checksum, then copied out: no bytes object per value.
+
+Failures are values: socket timeouts (``op_timeout_s``) bound every call, a
+dead or hung server marks the tier unhealthy (``HealthGate``) and calls
+answer miss/ERROR at once until a background PING succeeds. A server at
+``maxmemory`` under ``noeviction`` answers OOM: FULL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Self
+
+import numpy as np
+
+from hybridkv.tiers.base import (
+    Buffer,
+    GetStatus,
+    PutStatus,
+    StoreKey,
+    Tier,
+    TierStats,
+    TierUsage,
+    check_batch,
+)
+from hybridkv.tiers.codec import HEADER_BYTES, pack_header, verify_object
+from hybridkv.tiers.mooncake import HealthGate, LogOnce
+from hybridkv.tiers.registry import ConfigReader, value_problems
+
+logger = logging.getLogger(__name__)
+
+_VALKEY_KEYS = {
+    "host": 'server address (default "127.0.0.1")',
+    "port": "server port, 1..65535 (default 6379)",
+    "db": "database number, >= 0 (default 0)",
+    "username": "ACL user name (default none)",
+    "password": "password (default none)",
+    "ssl": "connect with TLS, true or false (default false)",
+    "ssl_ca_certs": "CA bundle file for TLS (default: the system's)",
+    "ssl_certfile": "client certificate file for TLS (default none)",
+    "ssl_keyfile": "client key file for TLS (default none)",
+    "load_weight": "relative cost of loading from this tier, > 0 (default 10.0)",
+    "op_timeout_s": "socket timeout of every call, > 0 (default 2.0)",
+    "retry_interval_s": "seconds between probes of an unreachable server (default 1.0)",
+}
+_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValkeyConfig:
+    host: str = "127.0.0.1"
+    port: int = 6379
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ssl: bool = False
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    load_weight: float = 10.0
+    op_timeout_s: float = 2.0
+    retry_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = value_problems(capacity_bytes=1, minimum=1, load_weight=self.load_weight)
+        problems += _int_problems("port", self.port, 1, 65535)
+        problems += _int_problems("db", self.db, 0, 1 << 31)
+        for key in ("op_timeout_s", "retry_interval_s"):
+            if not getattr(self, key) > 0:
+                problems.append(f"{key}={getattr(self, key)!r}: must be > 0")
+        if not self.ssl and any(getattr(self, key) for key in _TLS_FILES):
+            problems.append("ssl_* files given while ssl is false: set ssl to true")
+        if problems:
+            raise ValueError("invalid ValkeyConfig: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, where: str) -> Self:
+        reader = ConfigReader(raw, where=where, allowed=_VALKEY_KEYS)
+        ints = {key: raw.get(key, default) for key, default in (("port", 6379), ("db", 0))}
+        reader.problems += _int_problems("port", ints["port"], 1, 65535)
+        reader.problems += _int_problems("db", ints["db"], 0, 1 << 31)
+        texts: dict[str, str | None] = {}
+        for key in ("username", "password", *_TLS_FILES):
+            value = raw.get(key)
+            if value is not None and (not isinstance(value, str) or not value):
+                reader.problems.append(
+                    f"{key}=<{type(value).__name__}>: must be a non-empty string"
+                )
+            texts[key] = value if isinstance(value, str) and value else None
+        ssl = raw.get("ssl", False)
+        if not isinstance(ssl, bool):
+            reader.problems.append(f"ssl={ssl!r}: must be true or false")
+        elif not ssl and any(texts[key] for key in _TLS_FILES):
+            reader.problems.append("ssl_* files given while ssl is false: set ssl to true")
+        host = reader.text("host", default="127.0.0.1")
+        load_weight = reader.positive_float("load_weight", default=10.0)
+        op_timeout_s = reader.positive_float("op_timeout_s", default=2.0)
+        retry_interval_s = reader.positive_float("retry_interval_s", default=1.0)
+        reader.finish()
+        return cls(
+            host=host,
+            port=int(ints["port"]),
+            db=int(ints["db"]),
+            username=texts["username"],
+            password=texts["password"],
+            ssl=bool(ssl),
+            ssl_ca_certs=texts["ssl_ca_certs"],
+            ssl_certfile=texts["ssl_certfile"],
+            ssl_keyfile=texts["ssl_keyfile"],
+            load_weight=load_weight,
+            op_timeout_s=op_timeout_s,
+            retry_interval_s=retry_interval_s,
+        )
+
+    def build(self) -> ValkeyTier:
+        return ValkeyTier(self)
+
+
+def _int_problems(key: str, value: object, low: int, high: int) -> list[str]:
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return []
+    return [f"{key}={value!r}: must be an integer in {low}..{high}"]
+
+
+class _Object(NamedTuple):
+    """A value sent as two pieces: the codec header, then the caller's payload."""
+
+    header: bytes
+    payload: memoryview
+
+
+class ObjectPacker:
+    """RESP command packer that sends ``_Object`` values without joining them.
+
+    Other arguments are encoded like redis-py does (str as UTF-8, ints as text).
+    """
+
+    def pack(self, *args: Any) -> list[bytes | memoryview]:
+        if isinstance(args[0], str) and " " in args[0]:  # "CLIENT SETINFO" and the like
+            args = (*args[0].split(), *args[1:])
+        pieces: list[bytes | memoryview] = []
+        head = b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, _Object):
+                size = len(arg.header) + arg.payload.nbytes
+                pieces += [head + b"$%d\r\n" % size + arg.header, arg.payload]
+                head = b"\r\n"
+                continue
+            data = arg if isinstance(arg, bytes) else str(arg).encode()
+            head += b"$%d\r\n%b\r\n" % (len(data), data)
+        pieces.append(head)
+        return pieces
+
+
+class ErrorReply(NamedTuple):
+    """An error reply (``-OOM ...``, ``-WRONGTYPE ...``): an answer, not a broken link."""
+
+    message: str
+
+
+class Bulk(NamedTuple):
+    """A bulk reply read into a caller's buffer: its length (the buffer holds it only
+    when the length is exactly the buffer's)."""
+
+    num_bytes: int
+
+
+class ReplyReader:
+    """RESP2 replies read straight off a connected socket.
+
+    Bulk strings can land in a caller's buffer with ``recv_into`` (one kernel
+    copy, no bytes objects on the way); everything else is small.
+    """
+
+    def __init__(self, sock: Any, *, read_bytes: int = 1 << 16) -> None:
+        self._sock = sock
+        self._read_bytes = read_bytes
+        self._pending = bytearray()
+
+    @property
+    def num_pending_bytes(self) -> int:
+        """Bytes received but not yet part of a reply."""
+        return len(self._pending)
+
+    def read(self, into: Buffer | None = None) -> Any:
+        """The next reply: int, bytes (simple or bulk string), None (nil), ``ErrorReply``,
+        or with ``into`` a ``Bulk`` whose bytes are in ``into`` if they fit it exactly."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            size = int(rest)
+            if size < 0:
+                return None
+            if into is None:
+                return bytes(self._exactly(memoryview(bytearray(size + 2)))[:size])
+            if size == len(into):
+                self._exactly(into.data.cast("B"))
+                self._exactly(memoryview(bytearray(2)))
+            else:
+                self._skip(size + 2)
+            return Bulk(size)
+        if kind == b"_":  # RESP3's nil, should a server answer with it
+            return None
+        if kind == b":":
+            return int(rest)
+        if kind == b"+":
+            return bytes(rest)
+        if kind == b"-":
+            return ErrorReply(rest.decode(errors="replace"))
+        raise ConnectionError(f"unexpected reply {line[:40]!r}")
+
+    def _line(self) -> bytes:
+        while (end := self._pending.find(b"\r\n")) < 0:
+            self._fill()
+        line = bytes(self._pending[:end])
+        del self._pending[: end + 2]
+        return line
+
+    def _exactly(self, out: memoryview) -> memoryview:
+        taken = min(len(self._pending), len(out))
+        out[:taken] = self._pending[:taken]
+        del self._pending[:taken]
+        while taken < len(out):
+            received = self._sock.recv_into(out[taken:])
+            if received == 0:
+                raise ConnectionError("connection closed mid-reply")
+            taken += received
+        return out
+
+    def _skip(self, num_bytes: int) -> None:
+        while num_bytes > 0:
+            if not self._pending:
+                self._fill()
+            taken = min(len(self._pending), num_bytes)
+            del self._pending[:taken]
+            num_bytes -= taken
+
+    def _fill(self) -> None:
+        chunk = self._sock.recv(self._read_bytes)
+        if not chunk:
+            raise ConnectionError("connection closed mid-reply")
+        self._pending += chunk
+
+
+class ValkeyTier(Tier):
+    """A ``Tier`` over one Valkey/Redis server. Thread-safe (a connection pool).
+
+    ``usage()`` is the server's view (``DBSIZE``, ``used_memory``,
+    ``maxmemory``): it includes other clients' keys in the same database.
+    """
+
+    def __init__(self, config: ValkeyConfig, *, name: str = "valkey") -> None:
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as exc:
+            raise ImportError(
+                f"the valkey tier needs pip install 'hybridkv[valkey]': {exc}"
+            ) from exc
+
+        self.name = name
+        self.load_weight = config.load_weight
+        self.config = config
+        options: dict[str, Any] = {"ssl_" + key[4:]: getattr(config, key) for key in _TLS_FILES}
+        self._pool = redis.ConnectionPool(
+            connection_class=redis.SSLConnection if config.ssl else redis.Connection,
+            host=config.host,
+            port=config.port,
+            db=config.db,
+            username=config.username,
+            password=config.password,
+            socket_timeout=config.op_timeout_s,
+            socket_connect_timeout=min(1.0, config.op_timeout_s),
+            retry=Retry(NoBackoff(), 0),  # the gate decides when to try again
+            command_packer=ObjectPacker(),
+            protocol=2,  # what ReplyReader reads; RESP3 would also allow push messages
+            **(options if config.ssl else {}),
+        )
+        self._client = redis.Redis(connection_pool=self._pool)
+        # OSError covers timeouts and resets; ValueError a reply we cannot parse.
+        self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError, ValueError)
+        self._local = threading.local()
+        self._stats = TierStats()
+        self._stats_lock = threading.Lock()
+        self._log = LogOnce(logger, name)
+        self._closed = False
+        self._gate = HealthGate(
+            name, self._probe, retry_interval_s=config.retry_interval_s, log=logger
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return self._gate.healthy
+
+    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        found = [False] * len(keys)
+
+        def read(i: int, replies: ReplyReader) -> None:
+            found[i] = replies.read() == 1
+
+        self._exchange("lookup", [("EXISTS", key) for key in keys], read)
+        self._bump(queries=len(keys), hits=sum(found), misses=len(keys) - sum(found))
+        return found
+
+    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+        """``SET NX`` each object: an existing key keeps its first value (EXISTS)."""
+        check_batch(keys, buffers)
+        statuses = [PutStatus.ERROR] * len(keys)
+
+        def read(i: int, replies: ReplyReader) -> None:
+            statuses[i] = self._put_status(replies.read(), len(buffers[i]))
+
+        commands = [
+            ("SET", key, _Object(pack_header(key, buf), buf.data), "NX")
+            for key, buf in zip(keys, buffers, strict=True)
+        ]
+        self._exchange("store", commands, read)
+        return statuses
+
+    def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
+        """Each value is read into a staging buffer, checked, then copied out."""
+        check_batch(keys, buffers)
+        statuses = [GetStatus.ERROR] * len(keys)
+
+        def read(i: int, replies: ReplyReader) -> None:
+            staging = self._staging(HEADER_BYTES + len(buffers[i]))
+            statuses[i] = self._get_status(keys[i], replies.read(into=staging), staging, buffers[i])
+
+        self._exchange("load", [("GET", key) for key in keys], read)
+        return statuses
+
+    def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        removed = [0]
+
+        def read(_i: int, replies: ReplyReader) -> None:
+            reply = replies.read()
+            removed[0] = reply if isinstance(reply, int) else 0
+
+        if keys:
+            self._exchange("delete", [("DEL", *keys)], read, keys_per_command=0)
+        self._bump(deletes=removed[0])
+        return removed[0]
+
+    def usage(self) -> TierUsage:
+        if not self._closed and self._gate.allow():
+            try:
+                memory = self._client.info("memory")
+                return TierUsage(
+                    num_objects=int(self._client.dbsize()),
+                    used_bytes=int(memory.get("used_memory", 0)),
+                    capacity_bytes=int(memory.get("maxmemory", 0)) or None,
+                )
+            except self._errors as exc:
+                self._gate.mark_failed(f"usage: {exc!r}")
+        return TierUsage(num_objects=0, used_bytes=0, capacity_bytes=None)
+
+    def stats(self) -> TierStats:
+        with self._stats_lock:
+            return TierStats(**self._stats.as_dict())
+
+    def check_integrity(self) -> None:
+        stats = self.stats()
+        assert stats.hits + stats.misses == stats.queries, stats
+        assert all(value >= 0 for value in stats.as_dict().values()), stats
+        assert self._pool.connection_kwargs["retry"].get_retries() == 0, "retries would stall"
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._gate.close()
+            self._pool.disconnect()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _exchange(
+        self,
+        what: str,
+        commands: list[tuple[Any, ...]],
+        read: Callable[[int, ReplyReader], None],
+        *,
+        keys_per_command: int = 1,
+    ) -> None:
+        """Send ``commands`` in one write, then ``read(i, replies)`` each reply as it
+        arrives (a load checks and copies out one value while the next is on the wire).
+
+        Commands left unanswered by a failure count as errors (``keys_per_command``
+        each); a connection is never reused after an exchange that did not complete.
+        """
+        answered = 0
+        if commands and not self._closed and self._gate.allow():
+            connection = None
+            completed = False
+            try:
+                connection = self._pool.get_connection()
+                connection.send_packed_command(connection.pack_commands(commands))
+                # redis-py owns connecting, TLS and AUTH; replies we read ourselves.
+                replies = ReplyReader(connection._sock)
+                for i in range(len(commands)):
+                    read(i, replies)
+                    answered += 1
+                completed = replies.num_pending_bytes == 0  # else the stream is out of step
+            except self._errors as exc:
+                self._gate.mark_failed(f"{what}: {exc!r}")
+            finally:
+                if connection is not None:
+                    if not completed:  # unread replies would reach the next caller
+                        connection.disconnect()
+                    self._pool.release(connection)
+        self._bump(errors=(len(commands) - answered) * keys_per_command)
+
+    def _staging(self, num_bytes: int) -> Buffer:
+        """This thread's reusable receive buffer (touched once, then warm)."""
+        arena: Buffer | None = getattr(self._local, "arena", None)
+        if arena is None or len(arena) < num_bytes:
+            arena = np.zeros(max(num_bytes, 2 * len(arena) if arena is not None else 0), np.uint8)
+            arena.fill(0)
+            self._local.arena = arena
+        return arena[:num_bytes]
+
+    def _bump(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def _put_status(self, answer: Any, payload_bytes: int) -> PutStatus:
+        if answer == b"OK":
+            self._bump(puts=1, put_bytes=payload_bytes)
+            return PutStatus.OK
+        if answer is None:
+            return PutStatus.EXISTS
+        if isinstance(answer, ErrorReply) and answer.message.startswith("OOM"):
+            self._bump(put_skipped_full=1)
+            return PutStatus.FULL
+        self._log.warning("store", "a SET answered %r", answer)
+        self._bump(errors=1)
+        return PutStatus.ERROR
+
+    def _get_status(self, key: StoreKey, answer: Any, stored: Buffer, out: Buffer) -> GetStatus:
+        if answer is None:
+            return GetStatus.MISS
+        if not isinstance(answer, Bulk):
+            self._log.warning("load", "a GET answered %r", answer)
+            self._bump(errors=1)
+            return GetStatus.ERROR
+        problem: str | None
+        if answer.num_bytes != len(stored):
+            problem = f"stored {answer.num_bytes} bytes, expected {len(stored)}"
+        else:
+            error = verify_object(stored[:HEADER_BYTES], key, stored[HEADER_BYTES:])
+            problem = None if error is None else error.value
+        if problem is not None:
+            self._log.warning("corrupt", "object %s is corrupt: %s", key, problem)
+            self._bump(corrupt=1)
+            return GetStatus.CORRUPT
+        np.copyto(out, stored[HEADER_BYTES:])
+        self._bump(gets=1, get_bytes=len(out))
+        return GetStatus.OK
+
+    def _probe(self) -> bool:
+        return bool(self._client.ping())
