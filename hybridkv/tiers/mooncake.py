@@ -18,7 +18,6 @@ Return codes: -200 (pool full) -> FULL; -704/-703/-712 -> MISS; a stored
 object of another size (-600 on a get, or a short read) -> CORRUPT; -706
 (read lease) on delete -> removed with ``force``.
 
-Also home of the helpers the Valkey tier shares: ``HealthGate``, ``LogOnce``.
 """
 
 from __future__ import annotations
@@ -27,9 +26,7 @@ import concurrent.futures as cf
 import enum
 import logging
 import os
-import socket
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,117 +46,13 @@ from hybridkv.tiers.base import (
 )
 from hybridkv.tiers.codec import HEADER_BYTES, pack_header, verify_object
 from hybridkv.tiers.registry import ConfigReader, value_problems
+from hybridkv.tiers.remote import HealthGate, LogOnce, check_address, tcp_reachable
 
 logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 64
 _SETUP_TIMEOUT_S = 15.0
 _PROBE_KEY = "hybridkv/health-probe"
-
-
-class LogOnce:
-    """Logs each distinct problem of one tier once; repeats go to debug."""
-
-    def __init__(self, log: logging.Logger, name: str) -> None:
-        self._log, self._name, self._seen = log, name, set[str]()
-
-    def warning(self, problem: str, message: str, *args: object) -> None:
-        level = logging.DEBUG if problem in self._seen else logging.WARNING
-        self._seen.add(problem)
-        self._log.log(level, "tier %s: " + message, self._name, *args)
-
-
-class HealthGate:
-    """Whether a remote tier is worth calling; probes it in the background when not.
-
-    ``mark_failed`` flips the gate closed (logged once per outage). While
-    closed, ``allow()`` answers False at once and starts ``probe`` in a
-    daemon thread at most every ``retry_interval_s``; a probe returning True
-    opens the gate again. Thread-safe.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        probe: Callable[[], bool],
-        *,
-        retry_interval_s: float,
-        log: logging.Logger = logger,
-    ) -> None:
-        self.name = name
-        self._log = log
-        self.num_outages = 0
-        self._probe = probe
-        self._retry_interval_s = retry_interval_s
-        self._lock = threading.Lock()
-        self._healthy = True
-        self._probing = False
-        self._closed = False
-        self._next_probe_at = 0.0
-
-    @property
-    def healthy(self) -> bool:
-        return self._healthy
-
-    def allow(self) -> bool:
-        with self._lock:
-            if self._healthy:
-                return True
-            if self._probing or self._closed or time.monotonic() < self._next_probe_at:
-                return False
-            self._probing = True
-        threading.Thread(
-            target=self._run_probe, name=f"hybridkv-{self.name}-probe", daemon=True
-        ).start()
-        return False
-
-    def mark_failed(self, reason: str) -> None:
-        with self._lock:
-            if not self._healthy:
-                return
-            self._healthy = False
-            self.num_outages += 1
-            self._next_probe_at = time.monotonic() + self._retry_interval_s
-        self._log.warning(
-            "tier %s: unreachable (%s); answering misses until a probe (every %.1f s) succeeds",
-            self.name,
-            reason,
-            self._retry_interval_s,
-        )
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-
-    def _run_probe(self) -> None:
-        try:
-            ok = self._probe()
-        except Exception as exc:  # a probe failure is an answer, not a crash
-            self._log.debug("tier %s: probe raised %r", self.name, exc)
-            ok = False
-        with self._lock:
-            self._probing = False
-            self._next_probe_at = time.monotonic() + self._retry_interval_s
-            recovered = ok and not self._healthy
-            self._healthy = self._healthy or ok
-        if recovered:
-            self._log.warning("tier %s: reachable again", self.name)
-
-
-def tcp_reachable(host: str, port: int, *, timeout_s: float) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError:
-        return False
-    return True
-
-
-def check_address(key: str, address: object) -> list[str]:
-    """Problems of a ``"host:port"`` string (empty when fine)."""
-    host, _, port = str(address).rpartition(":")
-    if isinstance(address, str) and host and port.isdigit() and 0 < int(port) < 65536:
-        return []
-    return [f'{key}={address!r}: must be "host:port" with a port in 1..65535']
 
 
 class Round(NamedTuple):

@@ -36,8 +36,8 @@ from hybridkv.tiers.base import (
     check_batch,
 )
 from hybridkv.tiers.codec import HEADER_BYTES, pack_header, verify_object
-from hybridkv.tiers.mooncake import HealthGate, LogOnce
 from hybridkv.tiers.registry import ConfigReader, value_problems
+from hybridkv.tiers.remote import HealthGate, LogOnce
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from hybridkv.pool import LocalPool, ServerRole
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import HEADER_BYTES, pack_header
-from hybridkv.tiers.mooncake import HealthGate, MooncakeConfig, MooncakeTier, plan_rounds
+from hybridkv.tiers.mooncake import MooncakeConfig, MooncakeTier, plan_rounds
 from hybridkv.tiers.registry import parse_tier_config
+from hybridkv.tiers.remote import HealthGate
 from tests.servers import MIB, MooncakePool, timed, wait_for
 
 OP_TIMEOUT_S = 1.0
