@@ -1,0 +1,180 @@
+"""Timeouts, cancellations, preemption and stale lookups: always recompute, never wrong KV."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hybridkv.connector import build_store
+from hybridkv.spec import GroupKind
+from hybridkv.tiers.disk import DiskConfig, DiskTier
+from hybridkv.tiers.tiered import TieredStore
+from tests.connector.helpers import (
+    GatedTier,
+    block_keys,
+    close_engine,
+    make_config,
+    make_engine,
+    make_remote_lookup,
+)
+from tests.connector.sim import SimEngine, make_layout
+from tests.connector.test_scenarios import (
+    assert_kv_matches_cold,
+    prompt,
+    run_to_end,
+    store_prompt,
+    wait_loaded,
+)
+
+FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
+
+
+def gated_engine(
+    tmp_path: Path, kinds: tuple[GroupKind, ...], *, load_timeout_s: float = 30.0
+) -> tuple[SimEngine, GatedTier]:
+    """An engine whose only tier is the real disk tier behind a gate on reads."""
+    config = make_config(tmp_path)
+    disk = next(c for c in config.tiers if isinstance(c, DiskConfig))
+    gated = GatedTier(DiskTier(disk))
+    store = TieredStore([gated])
+    engine = make_engine(make_layout(kinds), config, store=store, load_timeout_s=load_timeout_s)
+    return engine, gated
+
+
+def load_rows(engine: SimEngine, req_id: str) -> dict[tuple[int, int], bytes]:
+    """The bytes of every block a load of ``req_id`` targets, by (group, block id)."""
+    assert engine.last_meta is not None
+    (load,) = [x for x in engine.last_meta.loads if x.req_id == req_id]
+    return {
+        (t.group_id, b): engine.block_bytes(t.group_id, b)
+        for t in load.transfers
+        for b in t.block_ids
+    }
+
+
+def test_load_timeout_reports_every_block_and_never_writes_late_bytes(tmp_path: Path) -> None:
+    kinds = (SW, FULL)
+    tokens = prompt(37)
+    store_prompt(make_layout(kinds), tmp_path, tokens, chunk=12)
+    engine, gated = gated_engine(tmp_path, kinds, load_timeout_s=0.2)
+    assert engine.add("t", tokens) == 36
+    engine.step({})  # the load is submitted and blocks in the tier
+    before = load_rows(engine, "t")
+    planned = {t.group_id: set(t.block_ids) for t in engine.last_meta.loads[0].transfers}  # type: ignore[union-attr]
+    time.sleep(0.3)
+    engine.step({})
+    req = engine.requests["t"]
+    (result,) = [r for rep in engine.reports for r in rep.finished_loads]
+    assert result.timed_out and not result.ok
+    assert {g: set(ids) for g, ids in enumerate(result.failed_block_ids) if ids} == planned
+    assert req.outcomes[-1].num_tokens == 0
+    gated.release()  # the tier answers now, too late
+    engine.worker.wait_idle(5)
+    assert load_rows_now(engine, before) == before, "late bytes were scattered"
+    assert engine.worker.stats.loads_timed_out == 1
+    run_to_end(engine, "t", chunk=12)  # recomputed, no second load
+    assert_kv_matches_cold(engine, req, 37)
+    assert engine.scheduler.stats.loads_planned == 1
+    close_engine(engine)
+
+
+def load_rows_now(
+    engine: SimEngine, before: dict[tuple[int, int], bytes]
+) -> dict[tuple[int, int], bytes]:
+    return {(g, b): engine.block_bytes(g, b) for g, b in before}
+
+
+def test_finished_request_holds_its_blocks_until_its_load_is_cancelled(tmp_path: Path) -> None:
+    kinds = (MAMBA, FULL)
+    tokens = prompt(37)
+    store_prompt(make_layout(kinds), tmp_path, tokens, chunk=12)
+    engine, gated = gated_engine(tmp_path, kinds)
+    assert engine.add("c", tokens) == 36
+    engine.step({})
+    before = load_rows(engine, "c")
+    assert engine.finish("c") is True  # aborted while loading: blocks stay allocated
+    assert "c" in engine.requests
+    engine.step({})  # the cancel reaches the worker
+    (result,) = [r for rep in engine.reports for r in rep.finished_loads]
+    assert result.cancelled and not result.ok
+    assert "c" not in engine.requests  # freed once the worker reported
+    assert engine.scheduler.num_requests == 0
+    gated.release()
+    engine.worker.wait_idle(5)
+    assert load_rows_now(engine, before) == before
+    assert engine.worker.stats.loads_cancelled == 1
+    close_engine(engine)
+
+
+def test_preempted_request_resumes_from_its_own_stored_blocks(tmp_path: Path) -> None:
+    layout = make_layout((SW, FULL, MAMBA))
+    engine = make_engine(layout, make_config(tmp_path))
+    tokens = prompt(40)
+    assert engine.add("p", tokens) == 0
+    engine.step({"p": 12})
+    engine.step({"p": 12})  # 24 tokens computed and stored
+    engine.settle()
+    engine.preempt("p")
+    engine.step({})  # the scheduler forgets the old block ids
+    assert engine.readmit("p") == 24
+    req = wait_loaded(engine, "p")
+    assert req.outcomes[-1].ok
+    assert_kv_matches_cold(engine, req, 24)
+    run_to_end(engine, "p", chunk=12)
+    assert_kv_matches_cold(engine, req, 40)
+    stored = [k for rep in engine.reports for k in rep.stored_keys]
+    assert len(stored) == len(set(stored)), "a block was stored twice"
+    close_engine(engine)
+
+
+def test_other_process_lookup_sees_reported_cpu_keys_and_drops_bad_ones(tmp_path: Path) -> None:
+    layout = make_layout((MAMBA, FULL))
+    config = make_config(tmp_path, tiers=[{"kind": "cpu", "capacity_bytes": "4MiB"}])
+    lookup, opened = make_remote_lookup(config)
+    assert opened == [] and not lookup.complete
+    store = build_store(config)
+    engine = make_engine(layout, config, store=store, lookup=lookup)
+    tokens = prompt(37)
+    engine.add("a", tokens)
+    run_to_end(engine, "a", chunk=12)
+    engine.settle()
+    engine.finish("a")
+    assert len(lookup.record) > 0  # learnt from the worker's reports only
+    # The worker's private tier loses blocks (an eviction the scheduler cannot see).
+    lost = block_keys(layout, tokens, 1, [3])
+    assert store.delete_many(lost) == 1
+    assert engine.add("b", tokens) == 36  # the stale record still offers them
+    req = wait_loaded(engine, "b")
+    assert not req.outcomes[-1].ok
+    assert lookup.contains_many(lost) == [False]  # never offered again
+    run_to_end(engine, "b", chunk=12)
+    assert_kv_matches_cold(engine, req, 37)
+    # b recomputed block 3 and stored it again: the whole prompt hits once more.
+    assert engine.add("c", tokens) == 36
+    req = wait_loaded(engine, "c")
+    assert req.outcomes[-1].ok
+    assert_kv_matches_cold(engine, req, 36)
+    close_engine(engine)
+
+
+def test_store_backpressure_drops_blocks_and_sends_them_again(tmp_path: Path) -> None:
+    layout = make_layout((FULL,))
+    config = make_config(tmp_path)
+    engine = make_engine(layout, config)
+    tokens = prompt(33)
+    engine.add("a", tokens)
+    arena = engine.worker.engine.arena  # type: ignore[union-attr]
+    held = arena.allocate(arena.total_bytes)  # something else fills the staging arena
+    assert held is not None
+    engine.step({"a": 16})  # staging full: the 4 blocks are dropped, reported
+    dropped = [k for rep in engine.reports for k in rep.dropped_keys]
+    assert dropped == block_keys(layout, tokens, 0, range(4))
+    assert engine.worker.stats.store_blocks_dropped == 4
+    arena.free(held)
+    assert engine.finish("a") is False
+    engine.add("b", tokens)  # computes the same blocks: they are sent again
+    run_to_end(engine, "b", chunk=16)
+    engine.settle()
+    stored = {k for rep in engine.reports for k in rep.stored_keys}
+    assert set(dropped) <= stored
+    close_engine(engine)

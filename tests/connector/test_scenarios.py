@@ -1,0 +1,277 @@
+"""Scheduler + worker on real CPU and disk tiers, driven like vLLM drives them.
+
+Every scenario checks KV bytes, not just counts: a loaded attention block
+must equal what a cold run writes, a loaded Mamba state must equal the cold
+state, and computing on after a load must give the cold final state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridkv.connector import StepInput, WorkerReport
+from hybridkv.spec import GroupKind, KVLayoutSpec
+from tests.connector.helpers import (
+    block_keys,
+    close_engine,
+    disk_tier,
+    make_config,
+    make_engine,
+    make_remote_lookup,
+)
+from tests.connector.sim import SimEngine, SimRequest, expected_state, make_layout
+
+FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
+LAYOUTS = {
+    "gemma-like": (SW, FULL),
+    "qwen3-next-like": (MAMBA, FULL),
+    "full-only": (FULL,),
+    "three-kinds": (FULL, SW, MAMBA),
+}
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
+
+
+def run_to_end(engine: SimEngine, req_id: str, chunk: int, timeout_s: float = 10.0) -> None:
+    req = engine.requests[req_id]
+    deadline = time.monotonic() + timeout_s
+    while req.num_computed < len(req.tokens) or req.waiting_load:
+        assert time.monotonic() < deadline, f"{req_id} did not finish"
+        engine.step({} if req.waiting_load else {req_id: chunk})
+        if req.waiting_load:
+            time.sleep(0.002)
+
+
+def wait_loaded(engine: SimEngine, req_id: str, timeout_s: float = 10.0) -> SimRequest:
+    req = engine.requests[req_id]
+    deadline = time.monotonic() + timeout_s
+    while req.waiting_load:
+        assert time.monotonic() < deadline, f"load of {req_id} never finished"
+        engine.step({})
+        time.sleep(0.002)
+    return req
+
+
+def assert_kv_matches_cold(engine: SimEngine, req: SimRequest, num_tokens: int) -> int:
+    """Every non-null block of the request up to ``num_tokens`` equals a cold run's.
+
+    Returns the number of blocks compared (so callers can insist it is > 0).
+    """
+    compared = 0
+    for g, group in enumerate(engine.layout.groups):
+        ids = req.block_ids[g]
+        if group.kind is GroupKind.MAMBA:
+            for layer in group.layer_names:
+                got = engine.state_bytes(req, g, layer, num_tokens)
+                assert got == expected_state(req.tokens, num_tokens, layer), (g, layer)
+                compared += 1
+            continue
+        for index in range(num_tokens // group.block_size):
+            if ids[index] == 0:
+                continue
+            got = engine.block_bytes(g, ids[index])
+            assert got == engine.expected_block(req.tokens, g, index), (g, index)
+            compared += 1
+    return compared
+
+
+def store_prompt(layout: KVLayoutSpec, cache_dir: Path, tokens: Sequence[int], chunk: int) -> None:
+    first = make_engine(layout, make_config(cache_dir))
+    assert first.add("cold", tokens) == 0
+    run_to_end(first, "cold", chunk)
+    first.settle()
+    assert first.finish("cold") is False
+    close_engine(first)  # flushes the write-back: the disk tier holds every block
+
+
+@pytest.mark.parametrize("lookup_mode", ["same-process", "other-process"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_fresh_pair_loads_byte_identical(tmp_path: Path, name: str, lookup_mode: str) -> None:
+    layout = make_layout(LAYOUTS[name])
+    tokens = prompt(37)
+    store_prompt(layout, tmp_path, tokens, chunk=12)
+    config = make_config(tmp_path)
+    lookup, opened = make_remote_lookup(config) if lookup_mode == "other-process" else (None, [])
+    second = make_engine(layout, config, lookup=lookup)
+    # 36 = the whole prompt but its last token, aligned; Mamba has states at 12, 24, 36.
+    assert second.add("warm", tokens) == 36
+    req = wait_loaded(second, "warm")
+    assert req.outcomes[-1].ok and req.outcomes[-1].num_tokens == 36
+    assert assert_kv_matches_cold(second, req, 36) > 0
+    run_to_end(second, "warm", chunk=5)
+    assert_kv_matches_cold(second, req, 37)
+    stats = second.worker.stats
+    assert stats.loads_ok == 1 and stats.load_failed_blocks == 0
+    close_engine(second)
+    for tier in opened:
+        tier.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "expected_hit"),
+    [("gemma-like", 20), ("full-only", 20), ("qwen3-next-like", 12), ("three-kinds", 12)],
+)
+def test_partial_hit_stops_where_the_prompts_diverge(
+    tmp_path: Path, name: str, expected_hit: int
+) -> None:
+    layout = make_layout(LAYOUTS[name])
+    stored = prompt(40)
+    store_prompt(layout, tmp_path, stored, chunk=12)  # Mamba states at 12, 24, 36
+    other = stored[:22] + prompt(30, seed=1)  # shares 22 tokens = 5 full blocks of 4
+    engine = make_engine(layout, make_config(tmp_path))
+    assert engine.add("b", other) == expected_hit
+    req = wait_loaded(engine, "b")
+    assert req.outcomes[-1].ok
+    assert_kv_matches_cold(engine, req, expected_hit)
+    run_to_end(engine, "b", chunk=7)
+    assert_kv_matches_cold(engine, req, len(other))
+    close_engine(engine)
+
+
+def test_sliding_window_loads_only_the_window(tmp_path: Path) -> None:
+    layout = make_layout((SW, FULL), window=8)
+    tokens = prompt(37)
+    store_prompt(layout, tmp_path, tokens, chunk=12)
+    engine = make_engine(layout, make_config(tmp_path))
+    assert engine.add("w", tokens) == 36
+    engine.step({})
+    assert engine.last_meta is not None
+    (load,) = engine.last_meta.loads
+    by_group = {t.group_id: t for t in load.transfers}
+    # Resuming at 36 with a window of 8 needs tokens 29..35: blocks 7 and 8 only.
+    assert by_group[0].block_indices == (7, 8)
+    assert by_group[1].block_indices == tuple(range(9))
+    req = engine.requests["w"]
+    assert req.block_ids[0][:7] == [0] * 7  # the engine keeps no block outside the window
+    assert 0 not in by_group[0].block_ids
+    wait_loaded(engine, "w")
+    assert_kv_matches_cold(engine, req, 36)
+    close_engine(engine)
+
+
+def test_sliding_window_block_is_stored_before_the_engine_reuses_it(tmp_path: Path) -> None:
+    # Chunks of three blocks and a window of one block (as the tiny Gemma 3 prefilling
+    # 150 tokens with a 32-token window): the first blocks a step computes are out of the
+    # window at the next step, freed and handed out again before its forward pass.
+    layout = make_layout((SW, FULL), window=4)
+    config = make_config(tmp_path)
+    first = make_engine(layout, config, reuse_freed_first=True)
+    a, b = prompt(40), prompt(40, seed=7)
+    first.add("a", a)
+    first.add("b", b)
+    while first.requests["a"].num_computed < 40:
+        first.step({"a": 12, "b": 12})
+    owner: dict[int, tuple[str, int]] = {}
+    num_reused = 0
+    for rid, g, bid in first.handed_out:
+        num_reused += owner.get(bid) == ("a", 0)
+        owner[bid] = (rid, g)
+    assert num_reused >= 4, "the scenario must overwrite a's window blocks while a runs"
+    first.settle()
+    close_engine(first)
+    second = make_engine(layout, config)
+    # A hit at h loads the window block h/4 - 1: every block of a, early-freed ones too.
+    for hit in range(4, 40, 4):
+        req_id = f"a{hit}"
+        assert second.add(req_id, a[: hit + 1]) == hit
+        req = wait_loaded(second, req_id)
+        assert req.outcomes[-1].ok
+        sw_index = hit // 4 - 1
+        got = second.block_bytes(0, req.block_ids[0][sw_index])
+        assert got == second.expected_block(a, 0, sw_index), f"window block {sw_index}"
+        assert second.finish(req_id) is False
+    close_engine(second)
+
+
+def test_mamba_loads_only_the_last_state(tmp_path: Path) -> None:
+    layout = make_layout((MAMBA, FULL))
+    tokens = prompt(37)
+    store_prompt(layout, tmp_path, tokens, chunk=12)
+    engine = make_engine(layout, make_config(tmp_path))
+    assert engine.add("m", tokens) == 36
+    engine.step({})
+    assert engine.last_meta is not None
+    (load,) = engine.last_meta.loads
+    by_group = {t.group_id: t for t in load.transfers}
+    assert by_group[0].block_indices == (8,)  # the state after 36 tokens
+    assert by_group[1].block_indices == tuple(range(9))
+    req = engine.requests["m"]
+    assert [i for i, b in enumerate(req.block_ids[0]) if b] == [8]
+    wait_loaded(engine, "m")
+    run_to_end(engine, "m", chunk=1)
+    assert_kv_matches_cold(engine, req, 37)  # the recurrence continued from the loaded state
+    close_engine(engine)
+
+
+@pytest.mark.parametrize(
+    ("name", "resume_at"), [("full-only", 20), ("gemma-like", 0), ("qwen3-next-like", 0)]
+)
+def test_failed_load_reports_exact_block_ids_and_resumes_at_the_minimum(
+    tmp_path: Path, name: str, resume_at: int
+) -> None:
+    layout = make_layout(LAYOUTS[name])
+    tokens = prompt(37)
+    store_prompt(layout, tmp_path, tokens, chunk=12)
+    config = make_config(tmp_path)
+    engine = make_engine(layout, config)
+    assert engine.add("f", tokens) == 36
+    full = next(g for g, group in enumerate(layout.groups) if group.kind is FULL)
+    with disk_tier(config) as other:  # another process removes blocks 5 and 7
+        assert other.delete_many(block_keys(layout, tokens, full, [5, 7])) == 2
+    req = engine.requests["f"]
+    lost = {req.block_ids[full][5], req.block_ids[full][7]}
+    wait_loaded(engine, "f")
+    (result,) = [r for rep in engine.reports for r in rep.finished_loads]
+    assert set(result.failed_block_ids[full]) == lost
+    assert not any(ids for g, ids in enumerate(result.failed_block_ids) if g != full)
+    assert req.outcomes[-1].num_tokens == resume_at and not req.outcomes[-1].ok
+    run_to_end(engine, "f", chunk=8)
+    assert_kv_matches_cold(engine, req, 37)
+    missing = {k for rep in engine.reports for k in rep.missing_keys}
+    assert missing == set(block_keys(layout, tokens, full, [5, 7]))
+    assert engine.scheduler.stats.loads_failed == 1
+    close_engine(engine)
+
+
+def test_load_after_a_local_hit_moves_only_blocks_the_engine_lacks(tmp_path: Path) -> None:
+    layout = make_layout((SW, FULL, MAMBA), window=8)
+    tokens = prompt(37)
+    store_prompt(layout, tmp_path, tokens, chunk=12)
+    engine = make_engine(layout, make_config(tmp_path))
+    scheduler = engine.scheduler
+    scheduler.add_request("h")
+    # The engine's own prefix cache already holds 12 tokens.
+    result = scheduler.lookup("h", tokens, 12)
+    assert (result.num_tokens, result.is_async) == (24, True)
+    sw_ids = [0, 0, 0, 0, 0, 0, 0, 41, 42]  # the window before token 36
+    full_ids = [1, 2, 3, 21, 22, 23, 24, 25, 26]  # 0..2 local, 3..8 to load
+    mamba_ids = [0, 0, 0, 0, 0, 0, 0, 0, 51]  # the state after 36 tokens
+    scheduler.allocated("h", [sw_ids, full_ids, mamba_ids], 24)
+    meta = scheduler.build_metadata(StepInput())
+    (load,) = meta.loads
+    assert (load.num_tokens, load.fallback_tokens) == (36, 12)
+    by_group = {t.group_id: t for t in load.transfers}
+    assert by_group[0].block_indices == (7, 8) and by_group[0].block_ids == (41, 42)
+    assert by_group[1].block_indices == tuple(range(3, 9))
+    assert by_group[1].block_ids == (21, 22, 23, 24, 25, 26)
+    assert by_group[2].block_indices == (8,) and by_group[2].block_ids == (51,)
+    assert by_group[1].keys == tuple(block_keys(layout, tokens, 1, range(3, 9)))
+    # A full-attention block the engine did not allocate makes the load impossible.
+    scheduler.add_request("x")
+    assert scheduler.lookup("x", tokens, 12).num_tokens == 24
+    scheduler.allocated("x", [sw_ids, [*full_ids[:5], 0, *full_ids[6:]], mamba_ids], 24)
+    (bad,) = scheduler.build_metadata(StepInput()).loads
+    assert not bad.planned and bad.transfers == ()
+    engine.worker.start_loads([bad])  # the worker reports it failed at once: recompute
+    (result,) = engine.worker.poll().finished_loads
+    assert result.unplanned and not result.ok
+    (outcome,) = scheduler.process_report(WorkerReport(finished_loads=(result,)))
+    assert (outcome.num_tokens, outcome.ok) == (12, False)
+    close_engine(engine)
