@@ -1,0 +1,145 @@
+"""Run a plan of vLLM engine steps in this process and record what happened.
+
+Usage: ``python -m tests.e2e.driver PLAN.json RESULTS.jsonl``. The plan lists
+engines, created one after another in this process (in-process engine core,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), each with steps: ``groups``,
+``generate``, ``reset``, ``zero_group``, ``integrity``, ``corrupt_files``. Every step
+appends one JSON line to RESULTS (outputs, cached tokens, metric deltas,
+connector stats, seconds), so a crash still leaves the steps before it. The
+tests assert on the records; this script asserts nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from hybridkv.models import TinyModelKind, build_tiny_model
+from tests.e2e import engine_tools
+from tests.e2e.corrupt import corrupt_files
+
+CONNECTOR_CLASS = "HybridKVConnector"
+CONNECTOR_MODULE = "hybridkv.vllm"
+TOP_LOGPROBS = 5
+
+
+def make_llm(engine: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    model = build_tiny_model(
+        TinyModelKind(engine["kind"]), Path(engine["model_dir"]), seed=engine.get("seed", 0)
+    )
+    kwargs = model.engine_kwargs()
+    kwargs["disable_log_stats"] = False
+    extra = engine.get("connector")
+    if extra is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=CONNECTOR_CLASS,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+    return LLM(**kwargs)
+
+
+def generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        max_tokens=step["max_tokens"],
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        logprobs=TOP_LOGPROBS,
+    )
+    prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in step["prompts"]]
+    metrics_before = engine_tools.metric_totals(llm)
+    stats_before = engine_tools.connector_stats(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return {
+        "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "top_logprobs": [_top_logprobs(o.outputs[0].logprobs) for o in outputs],
+        "num_prompt_tokens": [len(o.prompt_token_ids or []) for o in outputs],
+        "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outputs],
+        "metrics": engine_tools.metric_delta(metrics_before, engine_tools.metric_totals(llm)),
+        "connector": engine_tools.stats_delta(stats_before, engine_tools.connector_stats(llm)),
+        "seconds": seconds,
+    }
+
+
+def _top_logprobs(positions: Any) -> list[dict[str, float]]:
+    """Per generated position: the top tokens' log-probabilities (plus the chosen one)."""
+    return [{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in positions or []]
+
+
+def run_step(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+    op = step["op"]
+    if op == "groups":
+        return {"groups": engine_tools.kv_cache_groups(llm)}
+    if op == "generate":
+        return generate(llm, step)
+    if op == "reset":
+        ok = llm.reset_prefix_cache()
+        return {"reset_ok": bool(ok), "wiped_bytes": engine_tools.wipe_kv_cache(llm)}
+    if op == "integrity":
+        return {"integrity": engine_tools.check_connector_integrity()}
+    if op == "zero_group":
+        return {"num_blocks_zeroed": engine_tools.zero_cached_blocks(llm, step["group_id"])}
+    raise ValueError(f"unknown engine step op {op!r}")
+
+
+def run_plan(plan: dict[str, Any], results_path: Path) -> None:
+    with results_path.open("a") as results:
+
+        def record(entry: dict[str, Any]) -> None:
+            results.write(json.dumps(entry) + "\n")
+            results.flush()
+
+        for engine in plan["engines"]:
+            if engine.get("op") == "corrupt_files":
+                record({"engine": None, "op": "corrupt_files", **corrupt_files(engine)})
+                continue
+            start = time.perf_counter()
+            llm = make_llm(engine)
+            record(
+                {"engine": engine["label"], "op": "start", "seconds": time.perf_counter() - start}
+            )
+            for step in engine["steps"]:
+                entry = {"engine": engine["label"], "op": step["op"], "label": step.get("label")}
+                record({**entry, **run_step(llm, step)})
+            start = time.perf_counter()
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+            record(
+                {"engine": engine["label"], "op": "stop", "seconds": time.perf_counter() - start}
+            )
+
+
+def main(argv: list[str]) -> int:
+    # Scheduler and worker in this process: the tools reach both.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    plan_path, results_path = Path(argv[0]), Path(argv[1])
+    plan = json.loads(plan_path.read_text())
+    try:
+        run_plan(plan, results_path)
+    except Exception:
+        with results_path.open("a") as results:
+            results.write(json.dumps({"op": "error", "traceback": traceback.format_exc()}) + "\n")
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,197 @@
+"""Reach into an in-process vLLM 0.32 engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+Test-only helpers used by ``tests.e2e.driver``: read the KV cache groups vLLM
+made, wipe or zero KV blocks (so a warm run can only be right if the loaded
+bytes are right), and read vLLM's Prometheus counters. They touch vLLM
+internals on purpose; a vLLM upgrade that moves them breaks these tests
+loudly, never silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def engine_core(llm: Any) -> Any:
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is None:
+        raise RuntimeError(
+            "engine core is in another process; set VLLM_ENABLE_V1_MULTIPROCESSING=0"
+        )
+    return core
+
+
+def model_runner(llm: Any) -> Any:
+    return engine_core(llm).model_executor.driver_worker.worker.model_runner
+
+
+def kv_cache_config(llm: Any) -> Any:
+    return engine_core(llm).scheduler.kv_cache_config
+
+
+def _group_kind(spec: Any) -> str:
+    name = type(spec).__name__
+    if name == "MambaSpec":
+        return "mamba"
+    if name == "SlidingWindowSpec":
+        return "sliding_window"
+    if name == "ChunkedLocalAttentionSpec":
+        return "chunked_local"
+    if name == "FullAttentionSpec":
+        return "full"
+    return name
+
+
+def kv_cache_groups(llm: Any) -> list[dict[str, Any]]:
+    """One JSON-able dict per KV cache group, in vLLM's group order."""
+    groups = []
+    for group in kv_cache_config(llm).kv_cache_groups:
+        spec = group.kv_cache_spec
+        groups.append(
+            {
+                "kind": _group_kind(spec),
+                "spec": type(spec).__name__,
+                "block_size": int(spec.block_size),
+                "page_size_bytes": int(spec.page_size_bytes),
+                "sliding_window": getattr(spec, "sliding_window", None),
+                "layer_names": list(group.layer_names),
+            }
+        )
+    return groups
+
+
+def _layer_tensors(llm: Any, layer_name: str) -> list[torch.Tensor]:
+    context = model_runner(llm).compilation_config.static_forward_context
+    kv_cache = context[layer_name].kv_cache
+    tensors = list(kv_cache) if isinstance(kv_cache, (list, tuple)) else [kv_cache]
+    return [t for t in tensors if isinstance(t, torch.Tensor) and t.numel() > 0]
+
+
+def _all_kv_tensors(llm: Any) -> Iterator[torch.Tensor]:
+    for group in kv_cache_config(llm).kv_cache_groups:
+        for layer_name in group.layer_names:
+            yield from _layer_tensors(llm, layer_name)
+
+
+def wipe_kv_cache(llm: Any) -> int:
+    """Zero every KV block of every layer; returns the bytes zeroed (views may overlap)."""
+    num_bytes = 0
+    for tensor in _all_kv_tensors(llm):
+        tensor.zero_()
+        num_bytes += tensor.numel() * tensor.element_size()
+    return num_bytes
+
+
+def cached_block_ids(llm: Any, group_id: int) -> list[int]:
+    """Block ids that vLLM's prefix cache holds for ``group_id``."""
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    pool = engine_core(llm).scheduler.kv_cache_manager.block_pool
+    block_ids: set[int] = set()
+    for key, blocks in pool.cached_block_hash_to_block._cache.items():
+        if get_group_id(key) != group_id:
+            continue
+        if isinstance(blocks, dict):
+            block_ids.update(int(b) for b in blocks)
+        else:
+            block_ids.add(int(blocks.block_id))
+    block_ids.discard(0)  # the null block
+    return sorted(block_ids)
+
+
+def zero_cached_blocks(llm: Any, group_id: int) -> int:
+    """Zero the prefix-cached blocks of one group only; returns how many."""
+    block_ids = cached_block_ids(llm, group_id)
+    if not block_ids:
+        return 0
+    index = torch.tensor(block_ids, dtype=torch.long)
+    group = kv_cache_config(llm).kv_cache_groups[group_id]
+    for layer_name in group.layer_names:
+        for tensor in _layer_tensors(llm, layer_name):
+            tensor.index_fill_(0, index, 0)
+    return len(block_ids)
+
+
+def metric_totals(llm: Any) -> dict[str, float]:
+    """Counters and gauges from ``llm.get_metrics()``, summed over engines.
+
+    Keys are the metric name plus its labels other than ``engine`` and
+    ``model_name``, e.g. ``vllm:prompt_tokens_by_source{source=external_kv_transfer}``.
+    """
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if not isinstance(value, (int, float)):
+            continue
+        labels = {
+            k: v for k, v in sorted(metric.labels.items()) if k not in ("engine", "model_name")
+        }
+        suffix = ",".join(f"{k}={v}" for k, v in labels.items())
+        key = f"{metric.name}{{{suffix}}}" if suffix else metric.name
+        totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def connector_stats(llm: Any) -> dict[str, float]:
+    """The connector's own Prometheus counters, flattened to ``name{labels}: value``.
+
+    ``llm.get_metrics()`` keeps only ``vllm:`` names, so the registry of this
+    process (where the offline engine's stat logger records) is read directly.
+    Keys drop the ``_total`` suffix and the ``engine``/``model_name`` labels.
+    """
+    from prometheus_client import REGISTRY
+
+    del llm  # the registry is process-wide
+    totals: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        if not family.name.startswith("hybridkv"):
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue  # skip _created samples
+            labels = {
+                k: v for k, v in sorted(sample.labels.items()) if k not in ("engine", "model_name")
+            }
+            suffix = ",".join(f"{k}={v}" for k, v in labels.items())
+            name = sample.name.removesuffix("_total")
+            key = f"{name}{{{suffix}}}" if suffix else name
+            totals[key] = totals.get(key, 0.0) + float(sample.value)
+    return totals
+
+
+def stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return metric_delta(before, after)
+
+
+def check_connector_integrity() -> str:
+    """Run the worker connector's ``check_integrity()``: "ok" or what failed.
+
+    Uses the adapter's public method when it has one, else its worker's.
+    """
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    if not has_kv_transfer_group():
+        return "no connector in this process"
+    connector = get_kv_transfer_group()
+    check = getattr(connector, "check_integrity", None)
+    if check is None:
+        worker = getattr(connector, "_worker", None)
+        check = getattr(worker, "check_integrity", None)
+    if check is None:
+        return f"{type(connector).__name__} has no check_integrity()"
+    try:
+        check()
+    except AssertionError as exc:
+        return f"integrity check failed: {exc!r}"
+    return "ok"
