@@ -281,6 +281,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             counters.update(flatten(f"tier.{name}", stats.as_dict()))
         return counters
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the worker side's bookkeeping is inconsistent.
+
+        Worker side only (no-op on the scheduler side): staging fully accounted
+        for, no bytes in flight beyond live jobs, tiers consistent.
+        """
+        if self._worker is not None:
+            self._worker.check_integrity()
+
     def shutdown(self) -> None:
         if self._worker is not None and self._store is not None:
             unregister_local_store(self._engine_key, self._store)

@@ -172,10 +172,7 @@ def stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 
 
 def check_connector_integrity() -> str:
-    """Run the worker connector's ``check_integrity()``: "ok" or what failed.
-
-    Uses the adapter's public method when it has one, else its worker's.
-    """
+    """Run the worker connector's ``check_integrity()``: "ok" or what failed."""
     from vllm.distributed.kv_transfer.kv_transfer_state import (
         get_kv_transfer_group,
         has_kv_transfer_group,
@@ -185,9 +182,6 @@ def check_connector_integrity() -> str:
         return "no connector in this process"
     connector = get_kv_transfer_group()
     check = getattr(connector, "check_integrity", None)
-    if check is None:
-        worker = getattr(connector, "_worker", None)
-        check = getattr(worker, "check_integrity", None)
     if check is None:
         return f"{type(connector).__name__} has no check_integrity()"
     try:
