@@ -45,6 +45,7 @@ from hybridkv.tiers.base import (
     check_batch,
 )
 from hybridkv.tiers.codec import HEADER_BYTES, pack_header, verify_object
+from hybridkv.tiers.cpu import allocate_arena
 from hybridkv.tiers.registry import ConfigReader, value_problems
 from hybridkv.tiers.remote import HealthGate, LogOnce, check_address, tcp_reachable
 
@@ -249,8 +250,7 @@ class MooncakeTier(Tier):
         self.region_bytes = config.local_buffer_bytes // 2 // ALIGN_BYTES * ALIGN_BYTES
         self.slot_bytes = self.region_bytes // 2 // ALIGN_BYTES * ALIGN_BYTES
         self._store: Any = MooncakeDistributedStore()
-        self._arena: Buffer = np.empty(2 * self.region_bytes, dtype=np.uint8)
-        self._arena.fill(0)  # first touch now, not on the data path
+        self._arena, _ = allocate_arena(2 * self.region_bytes, pin_memory=False)
         self._region_base = {_Side.LOAD: 0, _Side.STORE: self.region_bytes}
         self._region_locks = {side: threading.Lock() for side in _Side}
         # Two rounds per direction plus a lookup, and spares for calls abandoned in Mooncake.

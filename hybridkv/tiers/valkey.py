@@ -36,6 +36,7 @@ from hybridkv.tiers.base import (
     check_batch,
 )
 from hybridkv.tiers.codec import HEADER_BYTES, pack_header, verify_object
+from hybridkv.tiers.cpu import allocate_arena
 from hybridkv.tiers.registry import ConfigReader, value_problems
 from hybridkv.tiers.remote import HealthGate, LogOnce
 
@@ -425,8 +426,8 @@ class ValkeyTier(Tier):
         """This thread's reusable receive buffer (touched once, then warm)."""
         arena: Buffer | None = getattr(self._local, "arena", None)
         if arena is None or len(arena) < num_bytes:
-            arena = np.zeros(max(num_bytes, 2 * len(arena) if arena is not None else 0), np.uint8)
-            arena.fill(0)
+            size = max(num_bytes, 2 * len(arena) if arena is not None else 0)
+            arena, _ = allocate_arena(size, pin_memory=False)
             self._local.arena = arena
         return arena[:num_bytes]
 
