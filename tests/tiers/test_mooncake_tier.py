@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,11 +15,17 @@ from hypothesis import strategies as st
 
 from hybridkv.pool import LocalPool, ServerRole
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
-from hybridkv.tiers.codec import HEADER_BYTES, pack_header
+from hybridkv.tiers.codec import pack_header
 from hybridkv.tiers.mooncake import MooncakeConfig, MooncakeTier, plan_rounds
 from hybridkv.tiers.registry import parse_tier_config
 from hybridkv.tiers.remote import HealthGate
 from tests.servers import MIB, MooncakePool, timed, wait_for
+from tests.tiers.contract import (
+    bad_values,
+    check_round_trip_matches_a_dict,
+    new_keys,
+    payloads,
+)
 
 OP_TIMEOUT_S = 1.0
 
@@ -49,16 +54,6 @@ def raw(pool: LocalPool) -> Iterator[Any]:
     assert rc == 0
     yield store
     store.close()
-
-
-def new_keys(num_keys: int) -> list[StoreKey]:
-    prefix = uuid.uuid4().hex
-    return [StoreKey(f"test/{prefix}/{i}") for i in range(num_keys)]
-
-
-def payloads(sizes: list[int], seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
 
 
 def make_tier(pool: LocalPool, **options: Any) -> MooncakeTier:
@@ -152,29 +147,7 @@ batch = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 300_000)), min_size
 def test_round_trip_matches_a_dict(
     tier: MooncakeTier, batches: list[list[tuple[int, int]]], wrong_size: bool
 ) -> None:
-    keys = new_keys(10)
-    reference: dict[int, np.ndarray] = {}
-    for number, items in enumerate(batches):
-        buffers = payloads([size for _, size in items], seed=number)
-        statuses = tier.put_many([keys[k] for k, _ in items], buffers)
-        expected = []
-        for (k, _), buf in zip(items, buffers, strict=True):
-            expected.append(PutStatus.EXISTS if k in reference else PutStatus.OK)
-            reference.setdefault(k, buf)
-        assert statuses == expected
-    assert tier.contains_many(keys) == [k in reference for k in range(10)]
-    sizes = [len(reference[k]) + (wrong_size and k % 2) if k in reference else 7 for k in range(10)]
-    outs = [np.zeros(size, dtype=np.uint8) for size in sizes]
-    statuses = tier.get_many_into(keys, outs)
-    for k in range(10):
-        if k not in reference:
-            assert statuses[k] is GetStatus.MISS
-        elif len(outs[k]) != len(reference[k]):
-            assert statuses[k] is GetStatus.CORRUPT and not outs[k].any()
-        else:
-            assert statuses[k] is GetStatus.OK
-            assert np.array_equal(outs[k], reference[k])
-    tier.check_integrity()
+    check_round_trip_matches_a_dict(tier, batches, wrong_size)
 
 
 def test_stats_and_usage_count_what_happened(pool: LocalPool) -> None:
@@ -222,16 +195,7 @@ def test_stored_value_is_codec_header_then_payload(tier: MooncakeTier, raw: Any)
 def test_bad_values_written_behind_its_back_are_corrupt(tier: MooncakeTier, raw: Any) -> None:
     keys = new_keys(5)
     (payload,) = payloads([4096], seed=3)
-    good = pack_header(keys[0], payload) + payload.tobytes()
-    flipped = bytearray(good)
-    flipped[HEADER_BYTES + 100] ^= 0xFF
-    values = [
-        bytes(flipped),  # checksum mismatch
-        pack_header(StoreKey("someone/else"), payload) + payload.tobytes(),  # another key's
-        good[:-1],  # shorter than asked
-        good + b"x",  # longer than asked
-        bytes(len(good)),  # no header at all
-    ]
+    values = bad_values(keys, payload)
     for key, value in zip(keys, values, strict=True):
         assert raw.put(key, value) == 0
     before = tier.stats().corrupt

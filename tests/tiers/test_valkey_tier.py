@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,7 @@ from redis.connection import Encoder, PythonRespSerializer
 
 from hybridkv.pool import LocalPool, ServerRole
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
-from hybridkv.tiers.codec import HEADER_BYTES, pack_header
+from hybridkv.tiers.codec import pack_header
 from hybridkv.tiers.registry import parse_tier_config
 from hybridkv.tiers.valkey import (
     Bulk,
@@ -29,6 +28,12 @@ from hybridkv.tiers.valkey import (
     _Object,
 )
 from tests.servers import MIB, ValkeyServer, timed, wait_for
+from tests.tiers.contract import (
+    bad_values,
+    check_round_trip_matches_a_dict,
+    new_keys,
+    payloads,
+)
 
 OP_TIMEOUT_S = 1.0
 
@@ -56,16 +61,6 @@ def make_tier(server: LocalPool, **options: Any) -> ValkeyTier:
     options.setdefault("op_timeout_s", OP_TIMEOUT_S)
     options.setdefault("retry_interval_s", 0.2)
     return ValkeyTier(ValkeyConfig(port=server.valkey_port, **options))
-
-
-def new_keys(num_keys: int) -> list[StoreKey]:
-    prefix = uuid.uuid4().hex
-    return [StoreKey(f"test/{prefix}/{i}") for i in range(num_keys)]
-
-
-def payloads(sizes: list[int], seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
 
 
 # -- config and wire format -----------------------------------------------------------
@@ -194,29 +189,7 @@ batch = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 200_000)), min_size
 def test_round_trip_matches_a_dict(
     tier: ValkeyTier, batches: list[list[tuple[int, int]]], wrong_size: bool
 ) -> None:
-    keys = new_keys(10)
-    reference: dict[int, np.ndarray] = {}
-    for number, items in enumerate(batches):
-        buffers = payloads([size for _, size in items], seed=number)
-        statuses = tier.put_many([keys[k] for k, _ in items], buffers)
-        expected = []
-        for (k, _), buf in zip(items, buffers, strict=True):
-            expected.append(PutStatus.EXISTS if k in reference else PutStatus.OK)
-            reference.setdefault(k, buf)
-        assert statuses == expected
-    assert tier.contains_many(keys) == [k in reference for k in range(10)]
-    sizes = [len(reference[k]) + (wrong_size and k % 2) if k in reference else 7 for k in range(10)]
-    outs = [np.zeros(size, dtype=np.uint8) for size in sizes]
-    statuses = tier.get_many_into(keys, outs)
-    for k in range(10):
-        if k not in reference:
-            assert statuses[k] is GetStatus.MISS
-        elif len(outs[k]) != len(reference[k]):
-            assert statuses[k] is GetStatus.CORRUPT and not outs[k].any()
-        else:
-            assert statuses[k] is GetStatus.OK
-            assert np.array_equal(outs[k], reference[k])
-    tier.check_integrity()
+    check_round_trip_matches_a_dict(tier, batches, wrong_size)
 
 
 def test_stats_usage_and_delete(server: LocalPool) -> None:
@@ -255,16 +228,7 @@ def test_stored_value_is_codec_header_then_payload(tier: ValkeyTier, raw: redis.
 def test_bad_values_written_behind_its_back_are_corrupt(tier: ValkeyTier, raw: redis.Redis) -> None:
     keys = new_keys(5)
     (payload,) = payloads([4096], seed=3)
-    good = pack_header(keys[0], payload) + payload.tobytes()
-    flipped = bytearray(good)
-    flipped[HEADER_BYTES + 100] ^= 0xFF
-    values = [
-        bytes(flipped),
-        pack_header(StoreKey("someone/else"), payload) + payload.tobytes(),
-        good[:-1],
-        good + b"x",
-        bytes(len(good)),
-    ]
+    values = bad_values(keys, payload)
     for key, value in zip(keys, values, strict=True):
         raw.set(key, value)
     raw.lpush(keys[0] + "/list", b"x")  # a key of another type answers an error, not bytes
