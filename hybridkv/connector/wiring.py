@@ -10,6 +10,7 @@ answers for the worker-private ones (CPU memory) from the worker's reports
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
@@ -18,6 +19,7 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.views import KeyLookup, LookupView, TierSlice
 from hybridkv.tiers.base import Tier
 from hybridkv.tiers.cpu import CpuConfig
+from hybridkv.tiers.disk import DiskConfig
 from hybridkv.tiers.registry import build_tier
 from hybridkv.tiers.tiered import TieredStore
 
@@ -81,6 +83,8 @@ def build_lookup(config: ConnectorConfig, engine_key: str) -> tuple[KeyLookup, l
             if is_private(tier_config):
                 views.append(None)
                 continue
+            if isinstance(tier_config, DiskConfig):  # the worker is the directory's writer
+                tier_config = dataclasses.replace(tier_config, read_only=True)
             tier = build_tier(tier_config)
             opened.append(tier)
             views.append(tier)

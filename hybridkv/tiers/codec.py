@@ -60,6 +60,19 @@ def write_header_into(out: Buffer, key: StoreKey, payload: Buffer) -> None:
     out[:HEADER_BYTES] = np.frombuffer(pack_header(key, payload), dtype=np.uint8)
 
 
+def check_format(header: Bytes) -> HeaderError | None:
+    """Check only what needs no key: size, magic and version."""
+    raw = bytes(_view(header)[:HEADER_BYTES])
+    if len(raw) < HEADER_BYTES:
+        return HeaderError.TRUNCATED
+    magic, version, _, _, _, _ = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        return HeaderError.BAD_MAGIC
+    if version != VERSION:
+        return HeaderError.BAD_VERSION
+    return None
+
+
 def verify_header(header: Bytes, key: StoreKey, payload_bytes: int) -> HeaderError | None:
     """Check magic, version, key and length; the checksum is checked separately."""
     raw = bytes(_view(header)[:HEADER_BYTES])
@@ -80,6 +93,12 @@ def verify_header(header: Bytes, key: StoreKey, payload_bytes: int) -> HeaderErr
 def header_checksum(header: Bytes) -> int:
     _, _, _, _, value, _ = _HEADER.unpack(bytes(_view(header)[:HEADER_BYTES]))
     return int(value)
+
+
+def header_digest(header: Bytes) -> bytes:
+    """The key digest a header carries (``key_digest`` of the key it was written under)."""
+    _, _, _, _, _, digest = _HEADER.unpack(bytes(_view(header)[:HEADER_BYTES]))
+    return bytes(digest)
 
 
 def header_length(header: Bytes) -> int:

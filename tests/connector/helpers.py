@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +20,9 @@ from hybridkv.connector import (
 )
 from hybridkv.hashing import KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.spec import KVLayoutSpec
+from hybridkv.tiers import segments
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier, TierStats, TierUsage
+from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.disk import DiskConfig, DiskTier
 from hybridkv.tiers.tiered import TieredStore
 from hybridkv.transfer import TransferConfig
@@ -69,9 +73,25 @@ def close_engine(engine: SimEngine) -> None:
 
 
 def disk_tier(config: ConnectorConfig) -> DiskTier:
-    """A second, independent instance of the config's disk tier (another process's view)."""
+    """A second, read-only instance of the config's disk tier (another process's view)."""
     disk = next(c for c in config.tiers if isinstance(c, DiskConfig))
-    return DiskTier(disk)
+    return DiskTier(dataclasses.replace(disk, read_only=True))
+
+
+def remove_from_disk(config: ConnectorConfig, keys: Sequence[StoreKey]) -> int:
+    """Mark the keys' slots dead behind the writer's back (as damage from outside would)."""
+    disk = next(c for c in config.tiers if isinstance(c, DiskConfig))
+    digests = {key_digest(key).hex() for key in keys}
+    removed = 0
+    for record in segments.iter_records(disk.path):
+        if record.digest in digests and record.state is segments.SlotState.LIVE:
+            fd = os.open(record.path, os.O_WRONLY)
+            try:
+                segments.write_slot_state(fd, record.slot, segments.SlotState.DEAD)
+            finally:
+                os.close(fd)
+            removed += 1
+    return removed
 
 
 def block_keys(

@@ -19,10 +19,10 @@ from hybridkv.spec import GroupKind, KVLayoutSpec
 from tests.connector.helpers import (
     block_keys,
     close_engine,
-    disk_tier,
     make_config,
     make_engine,
     make_remote_lookup,
+    remove_from_disk,
 )
 from tests.connector.sim import SimEngine, SimRequest, expected_state, make_layout
 
@@ -223,8 +223,7 @@ def test_failed_load_reports_exact_block_ids_and_resumes_at_the_minimum(
     engine = make_engine(layout, config)
     assert engine.add("f", tokens) == 36
     full = next(g for g, group in enumerate(layout.groups) if group.kind is FULL)
-    with disk_tier(config) as other:  # another process removes blocks 5 and 7
-        assert other.delete_many(block_keys(layout, tokens, full, [5, 7])) == 2
+    assert remove_from_disk(config, block_keys(layout, tokens, full, [5, 7])) == 2
     req = engine.requests["f"]
     lost = {req.block_ids[full][5], req.block_ids[full][7]}
     wait_loaded(engine, "f")

@@ -82,7 +82,7 @@ def test_second_engine_process_hits_the_default_disk_tier(tmp_path: Path) -> Non
     engine = f"{TinyModelKind.QWEN3_NEXT.value}:cold"
     (cold,), log = run_smoke([engine], tmp_path, multiprocess=True, extra={})
     assert "lookups from another process than the worker" in log
-    assert any((tmp_path / "cache" / "kv").rglob("*.kv")), "the default disk tier stayed empty"
+    assert any((tmp_path / "cache" / "kv").rglob("*.seg")), "the default disk tier stayed empty"
     (warm,), _ = run_smoke([engine], tmp_path, multiprocess=True, extra={})
     assert cold["num_cached_tokens"] == 0
     assert warm["num_cached_tokens"] == HIT_TOKENS

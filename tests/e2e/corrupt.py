@@ -1,9 +1,9 @@
-"""Flip payload bytes in stored objects under a directory (the disk tier's files).
+"""Flip payload bytes of objects stored by the disk tier under a directory.
 
-Test-only; runs between engines in ``tests.e2e.driver`` or from a test. An
-object file is recognised by the codec's magic at offset 0; one byte after
-the header is inverted, so the header still parses and only the payload
-checksum can catch the damage.
+Test-only; runs between engines in ``tests.e2e.driver`` or from a test.
+Objects are found through the segment files' slot tables; one byte in the
+middle of a payload is inverted, so the slot still parses and only the
+payload checksum can catch the damage.
 """
 
 from __future__ import annotations
@@ -11,24 +11,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridkv.tiers.codec import HEADER_BYTES, MAGIC
+from hybridkv.tiers.segments import RecordInfo, SlotState, iter_records
 
 
-def stored_object_files(root: Path) -> list[Path]:
-    files = []
-    for path in sorted(root.rglob("*")):
-        if not path.is_file() or path.stat().st_size <= HEADER_BYTES:
-            continue
-        with path.open("rb") as f:
-            if f.read(len(MAGIC)) == MAGIC:
-                files.append(path)
-    return files
+def stored_objects(root: Path) -> list[RecordInfo]:
+    return [
+        record
+        for record in iter_records(root)
+        if record.state is SlotState.LIVE and record.length > 0
+    ]
 
 
-def flip_payload_byte(path: Path) -> None:
-    size = path.stat().st_size
-    offset = HEADER_BYTES + (size - HEADER_BYTES) // 2
-    with path.open("r+b") as f:
+def flip_payload_byte(record: RecordInfo) -> None:
+    offset = record.offset + record.length // 2
+    with record.path.open("r+b") as f:
         f.seek(offset)
         byte = f.read(1)
         f.seek(offset)
@@ -36,17 +32,21 @@ def flip_payload_byte(path: Path) -> None:
 
 
 def corrupt_files(spec: dict[str, Any]) -> dict[str, Any]:
-    """Corrupt every ``every``-th object file under ``spec["dir"]``.
+    """Corrupt every ``every``-th stored object under ``spec["dir"]`` (searched recursively).
 
-    Returns the number of object files seen and the corrupted ones (relative paths).
+    Returns the number of objects seen and the corrupted ones (segment file and slot).
     """
     root = Path(spec["dir"])
     every = int(spec.get("every", 1))
-    files = stored_object_files(root)
-    corrupted = files[::every]
-    for path in corrupted:
-        flip_payload_byte(path)
+    objects = [
+        record
+        for directory in sorted({p.parent for p in root.rglob("*.seg")})
+        for record in stored_objects(directory)
+    ]
+    corrupted = objects[::every]
+    for record in corrupted:
+        flip_payload_byte(record)
     return {
-        "num_object_files": len(files),
-        "corrupted": [str(p.relative_to(root)) for p in corrupted],
+        "num_objects": len(objects),
+        "corrupted": [f"{record.path.relative_to(root)}#{record.slot}" for record in corrupted],
     }

@@ -54,4 +54,4 @@ def test_demo_runs_cold_warm_and_restart(harness: Harness) -> None:
     assert sum(restart["tier_get_bytes"].values()) == restart["load_bytes"]
     assert warm["tier_get_bytes"] == {"cpu": warm["load_bytes"]}
     assert (cache_dir / "models" / "gemma3-seed0" / "config.json").exists()
-    assert any((cache_dir / "kv").rglob("*.kv"))
+    assert any((cache_dir / "kv").rglob("*.seg"))

@@ -53,9 +53,24 @@ def test_cpu_and_disk_configs_parse_into_typed_objects(tmp_path: Path) -> None:
 
 def test_defaults_make_disk_costlier_than_cpu(tmp_path: Path) -> None:
     cpu_config = parse_tier_config({"kind": "cpu", "capacity_bytes": 4096})
-    disk_config = parse_tier_config({"kind": "disk", "path": str(tmp_path), "capacity_bytes": 4096})
+    disk_config = parse_tier_config(
+        {"kind": "disk", "path": str(tmp_path), "capacity_bytes": "1GiB"}
+    )
     assert cpu_config.load_weight < disk_config.load_weight
     assert isinstance(disk_config, DiskConfig) and disk_config.fsync is FsyncPolicy.NEVER
+    assert disk_config.segment_size == 32 << 20  # capacity / 32
+
+
+def test_disk_segment_size_is_checked_against_the_capacity(tmp_path: Path) -> None:
+    raw = {"kind": "disk", "path": str(tmp_path), "capacity_bytes": "64MiB"}
+    config = parse_tier_config({**raw, "segment_bytes": "4MiB"})
+    assert isinstance(config, DiskConfig) and config.segment_size == 4 << 20
+    small = parse_tier_config({**raw, "capacity_bytes": 20_000})
+    assert isinstance(small, DiskConfig) and small.segment_size == 16_384  # whole pages
+    with pytest.raises(ValueError, match=r"segment_bytes=134217728: must be an int in \[12288"):
+        parse_tier_config({**raw, "segment_bytes": "128MiB"})
+    with pytest.raises(ValueError, match="segment_bytes=100: must be a byte count >= 12288"):
+        parse_tier_config({**raw, "segment_bytes": 100})
 
 
 def test_one_error_lists_every_problem_and_the_allowed_keys() -> None:

@@ -44,8 +44,13 @@ def cpu(capacity_bytes: int = 1 << 20, load_weight: float = 1.0) -> CpuTier:
     return CpuTier(config)
 
 
-def disk(path: Path, capacity_bytes: int = 16 << 20, load_weight: float = 4.0) -> DiskTier:
-    return DiskTier(DiskConfig(path=path, capacity_bytes=capacity_bytes, load_weight=load_weight))
+def disk(
+    path: Path, capacity_bytes: int = 16 << 20, load_weight: float = 4.0, read_only: bool = False
+) -> DiskTier:
+    config = DiskConfig(
+        path=path, capacity_bytes=capacity_bytes, load_weight=load_weight, read_only=read_only
+    )
+    return DiskTier(config)
 
 
 def read(
@@ -181,7 +186,7 @@ def test_write_back_reaches_disk_with_the_bytes_of_the_put(tmp_path: Path) -> No
     assert store.write_back_stats().num_written == len(keys)
     store.check_integrity()
 
-    fresh = disk(tmp_path / "d")
+    fresh = disk(tmp_path / "d", read_only=True)  # the store still writes there
     assert fresh.scan_report.num_objects == len(keys)
     statuses, outs = read(fresh, keys)
     assert statuses == [GetStatus.OK] * len(keys)
@@ -254,7 +259,7 @@ def test_a_disk_tier_whose_directory_vanished_costs_hits_only(tmp_path: Path) ->
     keys = [key(i) for i in range(4)]
     store.put_many(keys, [payload(k) for k in keys])
     assert store.flush(timeout_s=30)
-    shutil.rmtree(tmp_path / "d")
+    shutil.rmtree(tmp_path / "d")  # the open segment files lose their last link
     cpu_tier.delete_many(keys[:2])
     statuses, _ = read(store, keys)
     assert statuses == [GetStatus.MISS, GetStatus.MISS, GetStatus.OK, GetStatus.OK]
@@ -262,6 +267,8 @@ def test_a_disk_tier_whose_directory_vanished_costs_hits_only(tmp_path: Path) ->
     assert store.put_many(more, [payload(k) for k in more]) == [PutStatus.OK] * 4
     assert store.flush(timeout_s=30)
     assert store.write_back_stats().num_failed == 4
+    assert disk_tier.contains_many(keys) == [False] * 4
+    assert disk_tier.usage().num_objects == 0
 
 
 def test_delete_removes_from_every_tier_and_the_write_back_queue(tmp_path: Path) -> None:
