@@ -19,7 +19,7 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.views import KeyLookup, LookupView, TierSlice
 from hybridkv.tiers.base import Tier
 from hybridkv.tiers.cpu import CpuConfig
-from hybridkv.tiers.disk import DiskConfig
+from hybridkv.tiers.disk_config import DiskConfig
 from hybridkv.tiers.registry import build_tier
 from hybridkv.tiers.tiered import TieredStore
 

@@ -32,13 +32,15 @@ import enum
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from hybridkv.tiers import codec
+from hybridkv.tiers.base import Buffer, StoreKey
 from hybridkv.tiers.codec import HEADER_BYTES, HeaderError
+from hybridkv.tiers.disk_files import TEMP_PREFIX, io_all
 
 PAGE = 4096
 SEGMENT_MAGIC = b"HKVS"
@@ -53,6 +55,7 @@ BYTES_PER_SLOT = 8192
 on average seal a segment before its data area is full."""
 SEGMENT_NAME = re.compile(r"^([0-9a-f]{16})\.seg$")
 _SCAN_CHUNK_SLOTS = 1024
+_ZEROS = memoryview(bytes(PAGE))
 
 
 class SlotState(enum.IntEnum):
@@ -131,6 +134,46 @@ def read_segment_header(fd: int) -> SegmentHeader | str:
     if data_offset % PAGE or size % PAGE:
         return "inconsistent segment geometry"
     return SegmentHeader(seq, size, num_slots, data_offset, bool(flags & FLAG_SEALED))
+
+
+def open_segment_file(path: str, seq: int, *, writable: bool) -> tuple[int, SegmentHeader] | str:
+    """Open a segment file and read its header; what is wrong with it otherwise."""
+    try:
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    try:
+        header = read_segment_header(fd)
+    except OSError as exc:
+        header = f"unreadable: {exc}"
+    if isinstance(header, SegmentHeader) and header.seq != seq:
+        header = "header names another segment"
+    if isinstance(header, str):
+        os.close(fd)
+        return header
+    return fd, header
+
+
+class RootListing(NamedTuple):
+    segments: dict[int, str]
+    """seq -> path of every file named like a segment."""
+    temps: list[str]
+    others: list[os.DirEntry[str]]
+    """Anything else, except the names the caller keeps."""
+
+
+def list_root(root: Path, *, keep: frozenset[str] = frozenset()) -> RootListing:
+    listing = RootListing({}, [], [])
+    with os.scandir(root) as it:
+        for entry in it:
+            match = SEGMENT_NAME.match(entry.name)
+            if match is not None and entry.is_file(follow_symlinks=False):
+                listing.segments[int(match.group(1), 16)] = entry.path
+            elif entry.name.startswith(TEMP_PREFIX):
+                listing.temps.append(entry.path)
+            elif entry.name not in keep:
+                listing.others.append(entry)
+    return listing
 
 
 def write_sealed_flag(fd: int) -> None:
@@ -239,3 +282,66 @@ def iter_records(root: Path) -> Iterator[RecordInfo]:
                     )
         finally:
             os.close(fd)
+
+
+class Placed(NamedTuple):
+    """One object of a run: its slot, where its payload goes, its key and bytes."""
+
+    slot: int
+    offset: int
+    key: StoreKey
+    payload: Buffer
+
+
+def write_run(
+    fd: int, seq: int, run: Sequence[Placed], *, sync_data: bool, sync_slots: bool
+) -> None:
+    """Write the payloads of consecutive slots in one ``pwritev``, then their slots.
+
+    Gaps up to each page boundary are written as zeros, so a reused file
+    never needs a page read back first.
+    """
+    headers = [codec.pack_header(p.key, p.payload) for p in run]
+    views: list[memoryview] = []
+    position = run[0].offset
+    for placed in run:
+        if placed.offset > position:
+            views.append(_ZEROS[: placed.offset - position])
+        views.append(placed.payload.data)
+        position = placed.offset + len(placed.payload)
+    if align_up(position) > position:
+        views.append(_ZEROS[: align_up(position) - position])
+    io_all(os.pwritev, fd, views, run[0].offset)
+    if sync_data:
+        os.fdatasync(fd)
+    table = b"".join(
+        pack_slot(seq, p.offset, SlotState.LIVE, header)
+        for p, header in zip(run, headers, strict=True)
+    )
+    io_all(os.pwritev, fd, [memoryview(table)], slot_offset(run[0].slot))
+    if sync_slots:
+        os.fdatasync(fd)
+
+
+GONE = "gone"
+"""A read found the slot dead or filled by a later life of the file: a miss."""
+
+
+def read_object(
+    fd: int, header: SegmentHeader, slot_index: int, offset: int, key: StoreKey, out: Buffer
+) -> HeaderError | str | None:
+    """Read one object into ``out`` and verify it: None, ``GONE`` or what is wrong."""
+    raw = os.pread(fd, SLOT_BYTES, slot_offset(slot_index))
+    slot = parse_slot(raw, header, header.size)
+    if isinstance(slot, str):
+        return slot
+    if slot is None or slot.state is not SlotState.LIVE or slot.offset != offset:
+        return GONE
+    problem = codec.verify_header(raw[_FRAME.size :], key, len(out))
+    if problem is not None:
+        return problem
+    if not io_all(os.preadv, fd, [out.data], offset):
+        return HeaderError.TRUNCATED
+    if codec.checksum(out) != slot.checksum:
+        return HeaderError.BAD_CHECKSUM
+    return None

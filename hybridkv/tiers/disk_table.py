@@ -1,0 +1,263 @@
+"""The disk tier's bookkeeping: which object lives where, segments in LRU order.
+
+No I/O: ``DiskTier`` holds its lock around every call and does the file work
+the answers ask for (open a segment, unlink or reuse an evicted file, seal).
+A put reserves a slot and a page-aligned data range in the active segment;
+a new segment first evicts idle segments, least recently used first, and
+hands the first victim's file over for reuse.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from hybridkv.tiers.segments import Geometry, SegmentHeader, align_up, segment_name
+
+MIN_PART_BYTES = 1 << 20
+"""Runs of a batch are split across I/O threads in parts of at least this size."""
+
+
+@dataclass(eq=False)
+class Segment:
+    header: SegmentHeader
+    path: str
+    fd: int = -1
+    next_slot: int = 0
+    """Writer: next free slot. Read-only: first slot that may still be filled."""
+    cursor: int = 0
+    """Writer: next free data offset (page aligned)."""
+    digests: set[str] = field(default_factory=set)
+    pending: int = 0
+    """Reservations whose bytes are being written."""
+    readers: int = 0
+    superseded: bool = False
+    """Writer: takes no new reservations (another segment is active)."""
+    sealed: bool = False
+    """The header says so: every slot that will ever be filled is."""
+    failed: bool = False
+    """Its file could not be prepared."""
+    lost: bool = False
+    """Its file was removed from outside (no links left)."""
+    mtime_ns: int = 0
+    """Writer: its last use, as stamped on the file."""
+    reuse: Segment | None = None
+    """While opening: the evicted segment whose file this one takes over."""
+    seen_slots: set[int] = field(default_factory=set)
+    """Read-only: filled slots already handled (rescans skip them)."""
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def seq(self) -> int:
+        return self.header.seq
+
+    @property
+    def size(self) -> int:
+        return self.header.size
+
+    def fits(self, num_bytes: int) -> bool:
+        return self.next_slot < self.header.num_slots and self.cursor + num_bytes <= self.size
+
+    @property
+    def idle(self) -> bool:
+        return self.pending == 0 and self.readers == 0 and self.ready.is_set()
+
+
+class Entry(NamedTuple):
+    segment: Segment
+    slot: int
+    offset: int
+    length: int
+
+
+class Reservation(NamedTuple):
+    item: int
+    """Index of the object in its put batch."""
+    digest: str
+    segment: Segment
+    slot: int
+    offset: int
+    length: int
+
+
+@dataclass
+class FileWork:
+    """What reservations left for the caller to do on disk, outside the lock."""
+
+    to_open: list[Segment] = field(default_factory=list)
+    """New segments to prepare (create, or take over ``segment.reuse``'s file)."""
+    discarded: list[Segment] = field(default_factory=list)
+    """Evicted segments whose files go."""
+    superseded: list[Segment] = field(default_factory=list)
+    """Segments that stopped taking reservations (to seal once idle)."""
+
+
+class SegmentTable:
+    """Segments (least recently used first), the key index and bytes allocated."""
+
+    def __init__(self, root: str, capacity_bytes: int, geometry: Geometry) -> None:
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self.geometry = geometry
+        self.segments: OrderedDict[int, Segment] = OrderedDict()
+        self.index: dict[str, Entry] = {}
+        """Hex key digest -> where its object lives."""
+        self.pending: set[str] = set()
+        """Digests of puts being written."""
+        self.allocated = 0
+        self.active: Segment | None = None
+        self.next_seq = 1
+        self.num_evicted = 0
+        """Objects dropped with their segments."""
+
+    def add(self, segment: Segment) -> None:
+        """A segment found on disk, as the most recently used."""
+        self.segments[segment.seq] = segment
+        self.allocated += segment.size
+        self.next_seq = max(self.next_seq, segment.seq + 1)
+
+    def holds(self, segment: Segment) -> bool:
+        return self.segments.get(segment.seq) is segment
+
+    def use(self, segment: Segment) -> None:
+        if self.holds(segment):
+            self.segments.move_to_end(segment.seq)
+
+    def index_slot(self, digest: str, entry: Entry) -> bool:
+        """Index a live slot found by a scan; False if the key is indexed already."""
+        if digest in self.index:
+            return False
+        self.index[digest] = entry
+        entry.segment.digests.add(digest)
+        return True
+
+    def reserve(self, item: int, digest: str, num_bytes: int, work: FileWork) -> Reservation | str:
+        """Room for one object, or "exists" / "full"; file work goes into ``work``."""
+        entry = self.index.get(digest)
+        if entry is not None:
+            self.use(entry.segment)
+            return "exists"
+        if digest in self.pending:
+            return "exists"
+        if num_bytes > self.geometry.data_bytes:
+            segment = self._new_segment(Geometry.dedicated(num_bytes), work)
+            if segment is not None:
+                segment.superseded = True  # holds this object only
+        else:
+            segment = self.active
+            if segment is None or not segment.fits(num_bytes):
+                if segment is not None:
+                    self.supersede(segment)
+                    work.superseded.append(segment)
+                segment = self.active = self._new_segment(self.geometry, work)
+        if segment is None:
+            return "full"
+        slot, offset = segment.next_slot, segment.cursor
+        segment.next_slot += 1
+        segment.cursor = offset + align_up(num_bytes)
+        segment.pending += 1
+        self.pending.add(digest)
+        self.use(segment)
+        return Reservation(item, digest, segment, slot, offset, num_bytes)
+
+    def supersede(self, segment: Segment) -> None:
+        segment.superseded = True
+        if self.active is segment:
+            self.active = None
+
+    def _new_segment(self, geometry: Geometry, work: FileWork) -> Segment | None:
+        if geometry.size > self.capacity_bytes:
+            return None
+        victims: list[Segment] = []
+        while self.allocated + geometry.size > self.capacity_bytes:
+            victim = self.lru_idle()
+            if victim is None:  # the rest is busy: no room now
+                work.discarded.extend(victims)
+                return None
+            self.evict(victim)
+            victims.append(victim)
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        header = SegmentHeader(seq, geometry.size, geometry.num_slots, geometry.data_offset, False)
+        segment = Segment(header, f"{self.root}/{segment_name(seq)}")
+        segment.cursor = geometry.data_offset
+        segment.reuse = victims[0] if victims else None  # its file becomes this one's
+        self.segments[seq] = segment
+        self.allocated += geometry.size
+        work.to_open.append(segment)
+        work.discarded.extend(victims[1:])
+        return segment
+
+    def commit(self, reservation: Reservation, written: bool) -> bool:
+        """Index a written reservation; False if it failed or its segment is gone."""
+        segment = reservation.segment
+        segment.pending -= 1
+        self.pending.discard(reservation.digest)
+        if not (written and self.holds(segment)):
+            return False
+        entry = Entry(segment, reservation.slot, reservation.offset, reservation.length)
+        self.index[reservation.digest] = entry
+        segment.digests.add(reservation.digest)
+        return True
+
+    def evict(self, segment: Segment, *, count: bool = True) -> None:
+        """Forget a segment and its objects (its file is the caller's business)."""
+        for digest in segment.digests:
+            self.index.pop(digest, None)
+        if count:
+            self.num_evicted += len(segment.digests)
+        segment.digests.clear()
+        del self.segments[segment.seq]
+        self.allocated -= segment.size
+        if self.active is segment:
+            self.active = None
+
+    def forget(self, digest: str, entry: Entry) -> None:
+        if self.index.get(digest) is entry:
+            del self.index[digest]
+            entry.segment.digests.discard(digest)
+
+    def lru_idle(self) -> Segment | None:
+        return next((s for s in self.segments.values() if s.idle), None)
+
+    def check(self) -> None:
+        """Raise AssertionError if index, segments and counters disagree."""
+        assert len(self.pending) == sum(s.pending for s in self.segments.values())
+        assert not any(s.readers for s in self.segments.values())
+        for digest, entry in self.index.items():
+            assert self.holds(entry.segment), digest
+            assert digest in entry.segment.digests, digest
+        assert sum(len(s.digests) for s in self.segments.values()) == len(self.index)
+        expected = sum(s.size for s in self.segments.values())
+        assert self.allocated == expected, f"allocated {self.allocated} != {expected}"
+
+
+def runs(reservations: list[Reservation]) -> list[list[Reservation]]:
+    """Reservations grouped into runs of consecutive slots of one segment."""
+    grouped: list[list[Reservation]] = []
+    for r in sorted(reservations, key=lambda r: (r.segment.seq, r.slot)):
+        last = grouped[-1][-1] if grouped else None
+        if last is not None and last.segment is r.segment and last.slot + 1 == r.slot:
+            grouped[-1].append(r)
+        else:
+            grouped.append([r])
+    return grouped
+
+
+def split(run: list[Reservation], num_parts: int) -> list[list[Reservation]]:
+    """A run cut into up to ``num_parts`` runs of similar bytes, for parallel writes."""
+    total = sum(r.length for r in run)
+    num_parts = max(1, min(num_parts, len(run), total // MIN_PART_BYTES))
+    target, current_bytes = total / num_parts, 0
+    parts: list[list[Reservation]] = []
+    current: list[Reservation] = []
+    for r in run:
+        current.append(r)
+        current_bytes += r.length
+        if current_bytes >= target and len(parts) < num_parts - 1:
+            parts.append(current)
+            current, current_bytes = [], 0
+    if current:
+        parts.append(current)
+    return parts

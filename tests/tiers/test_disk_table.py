@@ -1,0 +1,105 @@
+"""SegmentTable: reservations, LRU eviction of idle segments, file reuse, run splitting."""
+
+from __future__ import annotations
+
+from hybridkv.tiers.disk_table import FileWork, Reservation, SegmentTable, runs, split
+from hybridkv.tiers.segments import PAGE, Geometry
+
+SEGMENT = Geometry.standard(2 * PAGE + 2 * 8192)  # two 8 KiB objects per segment
+
+
+def table(num_segments: int) -> SegmentTable:
+    return SegmentTable("/nowhere", num_segments * SEGMENT.size, SEGMENT)
+
+
+def open_all(work: FileWork) -> None:
+    for segment in work.to_open:  # what DiskTier._open does once the file is ready
+        segment.fd = 3
+        segment.reuse = None
+        segment.ready.set()
+
+
+def put(t: SegmentTable, name: str, num_bytes: int = 8192) -> tuple[Reservation | str, FileWork]:
+    work = FileWork()
+    reserved = t.reserve(0, name, num_bytes, work)
+    open_all(work)
+    if isinstance(reserved, Reservation):
+        assert t.commit(reserved, written=True)
+    return reserved, work
+
+
+def test_objects_fill_the_active_segment_then_a_new_one() -> None:
+    t = table(4)
+    first, work = put(t, "a")
+    assert isinstance(first, Reservation) and len(work.to_open) == 1
+    assert (first.slot, first.offset) == (0, SEGMENT.data_offset)
+    second, work = put(t, "b")
+    assert isinstance(second, Reservation) and work.to_open == []
+    assert (second.slot, second.offset) == (1, SEGMENT.data_offset + 8192)
+    third, work = put(t, "c")
+    assert isinstance(third, Reservation) and third.segment is not first.segment
+    assert work.superseded == [first.segment] and first.segment.superseded
+    assert put(t, "a")[0] == "exists"
+    t.check()
+
+
+def test_the_least_recently_used_idle_segment_is_evicted_and_its_file_reused() -> None:
+    t = table(2)
+    for name in "abcd":  # A = (a, b), B = (c, d)
+        put(t, name)
+    segment_a, segment_b = t.index["a"].segment, t.index["c"].segment
+    t.use(segment_a)  # a hit: B is now the least recently used
+    work = FileWork()
+    reserved = t.reserve(0, "e", 8192, work)
+    assert isinstance(reserved, Reservation) and work.to_open == [reserved.segment]
+    assert reserved.segment.reuse is segment_b and work.discarded == []
+    assert segment_b.seq not in t.segments and segment_a.seq in t.segments
+    assert set(t.index) == {"a", "b"} and t.num_evicted == 2
+    open_all(work)
+    assert t.commit(reserved, written=True)
+    assert set(t.index) == {"a", "b", "e"}
+    t.check()
+
+
+def test_busy_segments_are_not_evicted_and_the_put_is_full() -> None:
+    t = table(2)
+    for name in "abcd":
+        put(t, name)
+    for segment in t.segments.values():
+        segment.readers += 1  # both being read
+    reserved, work = put(t, "e")
+    assert reserved == "full" and work.to_open == [] and work.discarded == []
+    assert set(t.index) == set("abcd")
+    for segment in t.segments.values():
+        segment.readers -= 1
+    t.check()
+
+
+def test_a_big_object_evicts_several_segments_and_reuses_the_first_file() -> None:
+    t = table(3)
+    for name in "abcdef":
+        put(t, name)
+    segments_before = list(t.segments.values())
+    reserved, work = put(t, "big", 3 * SEGMENT.data_bytes)  # needs a dedicated segment
+    assert isinstance(reserved, Reservation) and reserved.segment.superseded
+    assert reserved.segment.size == Geometry.dedicated(3 * SEGMENT.data_bytes).size
+    assert work.discarded == segments_before[1:3]  # the first victim's file was taken over
+    assert set(t.index) == {"big"} and t.num_evicted == 6
+    t.check()
+
+
+def test_runs_follow_consecutive_slots_and_split_by_bytes() -> None:
+    t = table(8)
+    work = FileWork()
+    reserved = [t.reserve(i, f"k{i}", 8192, work) for i in range(3)]
+    assert all(isinstance(r, Reservation) for r in reserved)
+    grouped = runs([r for r in reversed(reserved) if isinstance(r, Reservation)])
+    assert [[r.item for r in run] for run in grouped] == [[0, 1], [2]]  # two segments
+    big = Geometry.standard(64 << 20)
+    t2 = SegmentTable("/nowhere", 64 << 20, big)
+    many = [t2.reserve(i, f"m{i}", 1 << 20, FileWork()) for i in range(8)]
+    run = [r for r in many if isinstance(r, Reservation)]
+    assert [[r.item for r in run] for run in runs(run)] == [list(range(8))]
+    parts = split(run, 4)
+    assert [len(p) for p in parts] == [2, 2, 2, 2]
+    assert split(run[:1], 4) == [run[:1]]
