@@ -24,9 +24,10 @@ widest integer type the alignment allows: gather with
 ``torch.index_select(out=...)``, scatter with numpy assignment over whole-span
 ``void`` elements (one memcpy per block and span).
 
-Block ids become a numpy array once per call (``np.fromiter``: a third of the
-cost of ``torch.as_tensor`` on a list) and are range-checked (numpy would wrap a
-negative id). Copies run on the calling thread only.
+Block ids become a numpy array once per call with ``np.array`` (on a list of
+4096 ids not in cache, about 0.35 ms against 0.7 ms for ``torch.as_tensor``:
+5-10% of a 64 MiB call) and are range-checked (numpy would wrap a negative id).
+Copies run on the calling thread only.
 
 CUDA: per-span indexed ops on a side stream that first waits for the compute
 stream, device <-> pinned host copies on that stream, and an event the call
@@ -83,10 +84,9 @@ def _widest(*values: int) -> tuple[int, torch.dtype]:
 
 def _index(values: Sequence[int], bound: int, what: str) -> npt.NDArray[np.int64]:
     """``values`` as an int64 array, each in ``[0, bound)`` (else IndexError)."""
-    if isinstance(values, np.ndarray):
-        index = values.astype(np.int64)
-    else:
-        index = np.fromiter(values, np.int64, len(values))
+    index = np.array(values, dtype=np.int64)
+    if index.ndim != 1:
+        raise ValueError(f"{what} must be a flat sequence of ints, got shape {index.shape}")
     if len(index) and (index.min() < 0 or index.max() >= bound):
         bad = index[(index < 0) | (index >= bound)]
         raise IndexError(f"{what} {bad[:5].tolist()} not in [0, {bound})")
