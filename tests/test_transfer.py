@@ -804,6 +804,8 @@ def test_copier_refuses_block_ids_outside_the_cache(name: str) -> None:
             copier.gather(0, ids, rows)
     with pytest.raises(IndexError, match="only_rows"):
         copier.scatter(0, [1, 2], rows, only_rows=[-1])
+    with pytest.raises(ValueError, match="flat sequence"):
+        copier.scatter(0, np.array([[1], [2]]), rows)  # type: ignore[arg-type]
     assert all(torch.equal(a, b) for a, b in zip(case.backing, before, strict=True))
 
 
