@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -663,6 +664,149 @@ def test_copier_moves_one_span_per_block_major_block(storage: str) -> None:
         for name in layout.groups[3].layer_names
     )
     assert out.tobytes() == want
+
+
+class CopierCase(NamedTuple):
+    layout: KVLayoutSpec
+    kv_caches: dict[str, torch.Tensor]
+    pages: dict[str, torch.Tensor]
+    """Per layer: ``(num_blocks, page_bytes)`` int8 view of each block's page."""
+    backing: list[torch.Tensor]
+    """Every tensor that holds KV bytes (to compare whole caches after a scatter)."""
+
+
+PAGE = 512
+ONE_GROUP = KVLayoutSpec(groups=(kv_group(GroupKind.FULL, ("a.0", "a.1"), PAGE),))
+
+
+def random_bytes(nbytes: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=gen)
+
+
+def allocated_case(layout: KVLayoutSpec, kind: KVLayoutKind, seed: int) -> CopierCase:
+    alloc = allocate_kv_caches(layout, NUM_BLOCKS, kind=kind)
+    alloc.buffer.copy_(random_bytes(alloc.buffer.numel(), seed))
+    return CopierCase(layout, alloc.kv_caches, alloc.kv_caches, [alloc.buffer])
+
+
+def placed_case(places: dict[str, tuple[int, int]], nbytes: int, seed: int) -> CopierCase:
+    """ONE_GROUP's layers as views of one buffer: name -> (offset of block 0, stride)."""
+    buffer = random_bytes(nbytes, seed)
+    kv = {
+        name: buffer.as_strided((NUM_BLOCKS, PAGE), (stride, 1), offset)
+        for name, (offset, stride) in places.items()
+    }
+    return CopierCase(ONE_GROUP, kv, kv, [buffer])
+
+
+def copier_case(name: str, seed: int) -> CopierCase:
+    n = NUM_BLOCKS
+    mixed = KVLayoutSpec(
+        groups=(
+            kv_group(GroupKind.FULL, ("a.0", "a.1"), 2048),
+            kv_group(GroupKind.MAMBA, ("m.0",), 4096),
+        )
+    )
+    uneven_blocks = KVLayoutSpec(
+        groups=(
+            kv_group(GroupKind.FULL, ("a.0",), 3000),
+            kv_group(GroupKind.MAMBA, ("m.1", "m.2", "m.3"), 900),
+        )
+    )
+    if name in ("block_major", "layer_major"):
+        return allocated_case(ALL_KINDS, KVLayoutKind(name), seed)
+    if name == "mixed_slots":  # slot 0 rows of 4096 bytes, slot 1 rows of 2048
+        return allocated_case(mixed, KVLayoutKind.LAYER_MAJOR, seed)
+    if name == "padded_rows":  # rows of 3008 bytes hold blocks of 3000 and 2700
+        return allocated_case(uneven_blocks, KVLayoutKind.BLOCK_MAJOR, seed)
+    if name == "separate":
+        kv = {k: random_bytes(n * 2048, seed + i).view(n, 2048) for i, k in enumerate(ALL_NAMES)}
+        return CopierCase(ALL_KINDS, kv, kv, list(kv.values()))
+    if name == "reversed_slots":  # layer 1's slot comes first
+        return placed_case({"a.0": (n * PAGE, PAGE), "a.1": (0, PAGE)}, 2 * n * PAGE, seed)
+    if name == "gapped_rows":  # rows of three pages, the middle one unused
+        return placed_case({"a.0": (0, 3 * PAGE), "a.1": (2 * PAGE, 3 * PAGE)}, 3 * n * PAGE, seed)
+    if name == "aliased_layers":  # block b of a.1 is block b + 2 of a.0
+        return placed_case({"a.0": (0, PAGE), "a.1": (2 * PAGE, PAGE)}, (n + 2) * PAGE, seed)
+    assert name == "kernel_blocks"  # vLLM split each block into two kernel blocks
+    storage = random_bytes(2 * n * PAGE, seed).view(2, 2 * n, PAGE // 2)
+    kv = {"a.0": storage[0], "a.1": storage[1]}
+    pages = {k: v.reshape(n, PAGE) for k, v in kv.items()}
+    return CopierCase(ONE_GROUP, kv, pages, [storage])
+
+
+ALL_NAMES = [name for g in ALL_KINDS.groups for name in g.layer_names]
+COPIER_CASES = {  # case -> per group: does it take the grid path
+    "block_major": [True] * 4,
+    "layer_major": [True] * 4,
+    "mixed_slots": [False, True],
+    "padded_rows": [False, False],
+    "separate": [False] * 4,
+    "reversed_slots": [True],
+    "gapped_rows": [True],
+    "aliased_layers": [False],
+    "kernel_blocks": [True],
+}
+
+
+def reference_scatter(
+    case: CopierCase, group_id: int, ids: Sequence[int], rows: np.ndarray
+) -> None:
+    """Write rows layer by layer through the per-layer views: the general path's order."""
+    g = case.layout.groups[group_id]
+    page = g.page_size_bytes
+    for i, name in enumerate(g.layer_names):
+        for block_id, row in zip(ids, rows, strict=True):
+            chunk = torch.from_numpy(row[i * page : (i + 1) * page].copy())
+            case.pages[name][block_id].copy_(chunk.view(torch.int8))
+
+
+@pytest.mark.parametrize("name", list(COPIER_CASES))
+def test_copier_paths_move_exactly_the_bytes_of_the_layer_views(name: str) -> None:
+    layout = copier_case(name, seed=5).layout
+    rng = random.Random(name)
+    for group_id, g in enumerate(layout.groups):
+        case, expected = copier_case(name, seed=5), copier_case(name, seed=5)
+        copier = BlockCopier(canonicalize(case.kv_caches, case.layout))
+        assert copier.uses_grid(group_id) == COPIER_CASES[name][group_id]
+        ids = list(dict.fromkeys([*rng.sample(range(NUM_BLOCKS), 7), NUM_BLOCKS - 1, 0]))
+        want = b"".join(
+            case.pages[layer][b].numpy().tobytes() for b in ids for layer in g.layer_names
+        )
+        nbytes = len(ids) * g.block_bytes
+        for shift in (0, 1):  # aligned and deliberately misaligned staging
+            out = np.zeros(nbytes + 1, np.uint8)[shift : shift + nbytes]
+            copier.gather(group_id, ids, out)
+            assert out.tobytes() == want
+        # Scatter fresh rows (all, then a subset) and compare every KV byte with the
+        # same writes done through the per-layer views of an identical cache.
+        for only_rows in (None, [0, 2, 5]):
+            rows = np.frombuffer(rng.randbytes(nbytes), np.uint8).copy()
+            copier.scatter(group_id, ids, rows, only_rows=only_rows)
+            picked = list(range(len(ids))) if only_rows is None else only_rows
+            written = [ids[r] for r in picked]
+            reference_scatter(expected, group_id, written, rows.reshape(len(ids), -1)[picked])
+            for got, ref in zip(case.backing, expected.backing, strict=True):
+                assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("name", ["layer_major", "separate"])
+def test_copier_refuses_block_ids_outside_the_cache(name: str) -> None:
+    case = copier_case(name, seed=6)
+    copier = BlockCopier(canonicalize(case.kv_caches, case.layout))
+    before = [t.clone() for t in case.backing]
+    rows = np.ones(2 * ALL_KINDS.groups[0].block_bytes, np.uint8)
+    for ids in ([1, -1], [NUM_BLOCKS, 0]):
+        with pytest.raises(IndexError, match="not in"):
+            copier.scatter(0, ids, rows)
+        with pytest.raises(IndexError, match="not in"):
+            copier.gather(0, ids, rows)
+    with pytest.raises(IndexError, match="only_rows"):
+        copier.scatter(0, [1, 2], rows, only_rows=[-1])
+    with pytest.raises(ValueError, match="flat sequence"):
+        copier.scatter(0, np.array([[1], [2]]), rows)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(case.backing, before, strict=True))
 
 
 @settings(max_examples=80, deadline=None)

@@ -48,8 +48,10 @@ wait forever; ``num_workers > 1`` needs a thread-safe tier).
 
 ``BlockCopier(caches)``: the synchronous batched copies the engine uses,
 ``gather(group_id, block_ids, out)`` and ``scatter(group_id, block_ids, src,
-*, only_rows=None)`` over 1-D uint8 buffers of ``len(block_ids) * block_bytes``;
-``copies_per_block(group_id)`` is 1 for block-major groups.
+*, only_rows=None)`` over 1-D uint8 buffers of ``len(block_ids) * block_bytes``
+(IndexError for ids outside the cache); ``copies_per_block(group_id)`` is 1 for
+block-major groups; ``uses_grid(group_id)``: whether CPU copies of the group are
+one numpy op per call.
 """
 
 from hybridkv.transfer.copier import BlockCopier

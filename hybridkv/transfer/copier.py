@@ -2,19 +2,45 @@
 
 Runs in the worker process. ``gather`` copies the blocks of one group into
 consecutive staging rows of ``block_bytes`` (one object per block); ``scatter``
-copies rows back. Each span of a group (one per block-major group, one per
-layer otherwise) moves all requested blocks in one indexed op, viewed as the
-widest integer type the alignment allows: no Python loop over blocks.
+copies rows back. There is no Python loop over blocks.
 
-CPU: gather with ``torch.index_select(out=...)``, scatter with numpy
-assignment over whole-span ``void`` elements (one memcpy per block and span).
-CUDA: indexed ops on a side stream that first waits for the compute stream,
-device <-> pinned host copies on that stream, and an event the call waits on
-before returning, so the bytes are in place when a job is reported.
+CPU, grid path: when every span of a group has the same size and starts on one
+grid of that size in one storage (block-major rows as wide as the group block;
+layer-major slots as wide as the page, as ``allocate_kv_caches`` and vLLM's
+one-buffer caches lay them out), the cache is viewed as one 1-D array of
+span-sized ``void`` elements, and a whole call is one ``np.take(out=...)``
+(gather) or ``np.put`` (scatter) over element indices (block id times the row
+step, plus each span's start, precomputed), block by block in object order.
+Each element is one ``memcpy``. With 4 KiB spans on randomly placed blocks this
+gathered 5-10% faster than ``torch.index_select`` per span (whose copy loop is
+slower than ``memcpy`` there) and scattered as fast as or a little faster than
+numpy assignment per span; with few blocks per call, one op instead of one per
+layer is what counts. Spans that would share an element (aliased layers) never
+take this path, so both paths write in the same order. What is left below a
+plain memcpy with 4 KiB spans is the access pattern: a C loop that memcpys the
+same spans one after another measures the same. Copying a block's spans
+interleaved (several streams in flight) closes most of it, but neither numpy
+nor torch has an op that keeps that order, so it would take compiled code.
+
+CPU, general path (a tensor per layer, padded rows, slots of different row
+strides): each span moves all requested blocks in one indexed op, viewed as the
+widest integer type the alignment allows: gather with
+``torch.index_select(out=...)``, scatter with numpy assignment over whole-span
+``void`` elements (one memcpy per block and span).
+
+Block ids become a numpy array once per call with ``np.array`` (a list of 4096
+ids not in cache: about 0.35 ms, against 0.7 ms for ``torch.as_tensor`` and 8 ms
+for copying their 64 MiB) and are range-checked (numpy would wrap a negative
+id). Copies run on the calling thread only.
+
+CUDA: per-span indexed ops on a side stream that first waits for the compute
+stream, device <-> pinned host copies on that stream, and an event the call
+waits on before returning, so the bytes are in place when a job is reported.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -40,6 +66,37 @@ class _Span(NamedTuple):
     dtype: torch.dtype
 
 
+class _Grid(NamedTuple):
+    """A group whose spans all start on one grid of ``span_bytes`` in one storage."""
+
+    chunks: npt.NDArray[np.void]
+    """1-D contiguous numpy view, one ``void`` element per ``span_bytes`` of the grid."""
+    block_step: int
+    """Elements from one block's span to the next block's."""
+    span_starts: npt.NDArray[np.int64]
+    """(num_spans,) element of each span of block 0, in object order."""
+    span_bytes: int
+
+
+def _widest(*values: int) -> tuple[int, torch.dtype]:
+    """The widest integer type whose size divides every value (addresses, strides, sizes)."""
+    combined = 0
+    for value in values:
+        combined |= value
+    return next((w, d) for w, d in _WIDE if combined % w == 0)
+
+
+def _index(values: Sequence[int], bound: int, what: str) -> npt.NDArray[np.int64]:
+    """``values`` as an int64 array, each in ``[0, bound)`` (else IndexError)."""
+    index = np.array(values, dtype=np.int64)
+    if index.ndim != 1:
+        raise ValueError(f"{what} must be a flat sequence of ints, got shape {index.shape}")
+    if len(index) and (index.min() < 0 or index.max() >= bound):
+        bad = index[(index < 0) | (index >= bound)]
+        raise IndexError(f"{what} {bad[:5].tolist()} not in [0, {bound})")
+    return index
+
+
 class BlockCopier:
     """Gathers and scatters blocks of one ``CanonicalKVCaches``; stateless per call."""
 
@@ -51,6 +108,9 @@ class BlockCopier:
             [self._span(g, span) for span in caches.group_block_spans(g)]
             for g in range(caches.layout.num_groups)
         ]
+        self._grids = [
+            None if self.is_cuda else self._grid(g) for g in range(caches.layout.num_groups)
+        ]
         self._stream: torch.cuda.Stream | None = None
         if self.is_cuda:
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -61,6 +121,10 @@ class BlockCopier:
     def copies_per_block(self, group_id: int) -> int:
         """Spans per block: 1 for a block-major group, its layer count otherwise."""
         return len(self._spans[group_id])
+
+    def uses_grid(self, group_id: int) -> bool:
+        """Whether the group's CPU copies take the one-op grid path (see module doc)."""
+        return self._grids[group_id] is not None
 
     def check_block_ids(self, group_id: int, block_ids: Sequence[int]) -> str | None:
         """A problem with the block ids, or None when all are valid and distinct."""
@@ -77,14 +141,23 @@ class BlockCopier:
 
     def gather(self, group_id: int, block_ids: Sequence[int], out: npt.NDArray[np.uint8]) -> None:
         """Copy blocks into ``out`` (1-D uint8, ``len(block_ids) * block_bytes``)."""
-        rows, idx = self._prepare(group_id, block_ids, out)
+        self._check_buffer(group_id, len(block_ids), out)
+        ids = self._block_index(block_ids)
+        grid = self._grids[group_id]
+        if grid is not None:
+            # "clip" never clips (ids are checked); "raise" would copy ``out`` first.
+            rows_void = out.view(np.dtype((np.void, grid.span_bytes)))
+            np.take(grid.chunks, self._chunk_index(grid, ids), out=rows_void, mode="clip")
+            return
+        idx = torch.from_numpy(ids)
+        rows = torch.from_numpy(out).view(len(block_ids), self.block_bytes(group_id))
         if self.is_cuda:
             self._gather_cuda(group_id, idx, rows)
             return
-        aligned = out.ctypes.data % 8 == 0
+        address = out.ctypes.data
         for span in self._spans[group_id]:
             dst = rows[:, span.object_offset : span.object_offset + span.num_bytes]
-            if aligned:
+            if address % span.width == 0:
                 torch.index_select(span.src, 0, idx, out=dst.view(span.dtype))
             else:
                 torch.index_select(span.src_bytes, 0, idx, out=dst.view(torch.int8))
@@ -98,30 +171,35 @@ class BlockCopier:
         only_rows: Sequence[int] | None = None,
     ) -> None:
         """Copy rows of ``src`` back into the blocks; ``only_rows`` picks a subset."""
-        rows, idx = self._prepare(group_id, block_ids, src)
+        self._check_buffer(group_id, len(block_ids), src)
+        ids = self._block_index(block_ids)
+        rows = src.reshape(len(block_ids), self.block_bytes(group_id))
         if only_rows is not None:
-            pick = torch.as_tensor(list(only_rows), dtype=torch.int64)
-            rows, idx = rows.index_select(0, pick), idx.index_select(0, pick)
+            pick = _index(only_rows, len(block_ids), "only_rows")
+            rows, ids = rows[pick], ids[pick]
         if self.is_cuda:
-            self._scatter_cuda(group_id, idx, rows)
+            self._scatter_cuda(group_id, torch.from_numpy(ids), torch.from_numpy(rows))
             return
-        ids = idx.numpy()
+        grid = self._grids[group_id]
+        if grid is not None:
+            rows_void = rows.view(np.dtype((np.void, grid.span_bytes))).reshape(-1)
+            np.put(grid.chunks, self._chunk_index(grid, ids), rows_void)
+            return
         for span in self._spans[group_id]:
             assert span.rows is not None
-            part = rows.numpy()[:, span.object_offset : span.object_offset + span.num_bytes]
+            part = rows[:, span.object_offset : span.object_offset + span.num_bytes]
             span.rows[ids] = part.view(np.dtype((np.void, span.num_bytes)))[:, 0]
 
     def _span(self, group_id: int, span: BlockSpan) -> _Span:
         block_tensor = self.caches.tensors[span.tensor_idx]
         narrow = block_tensor[:, span.offset_bytes : span.offset_bytes + span.num_bytes]
-        layout = (
-            narrow.data_ptr()
-            | block_tensor.stride(0)
-            | span.num_bytes
-            | span.object_offset_bytes
-            | self.block_bytes(group_id)
+        width, dtype = _widest(
+            narrow.data_ptr(),
+            block_tensor.stride(0),
+            span.num_bytes,
+            span.object_offset_bytes,
+            self.block_bytes(group_id),
         )
-        width, dtype = next((w, d) for w, d in _WIDE if layout % w == 0)
         rows = None
         if not self.is_cuda:
             rows = narrow.numpy().view(np.dtype((np.void, span.num_bytes)))[:, 0]
@@ -129,19 +207,63 @@ class BlockCopier:
             narrow.view(dtype), narrow, rows, span.object_offset_bytes, span.num_bytes, width, dtype
         )
 
-    def _prepare(
-        self, group_id: int, block_ids: Sequence[int], buf: npt.NDArray[np.uint8]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _grid(self, group_id: int) -> _Grid | None:
+        """The group's spans as elements of one grid of ``span_bytes`` over one storage,
+        or None when they differ in size, storage or row stride, start off the grid, or
+        would share an element (so the general path keeps its exact behaviour)."""
+        spans = self.caches.group_block_spans(group_id)
+        tensors = [self.caches.tensors[s.tensor_idx] for s in spans]
+        first, span_bytes = tensors[0], spans[0].num_bytes
+        row_stride = first.stride(0) if self.caches.num_blocks > 1 else span_bytes
+        storage = first.untyped_storage().data_ptr()
+        if any(
+            t.untyped_storage().data_ptr() != storage
+            or (self.caches.num_blocks > 1 and t.stride(0) != row_stride)
+            or s.num_bytes != span_bytes
+            for t, s in zip(tensors, spans, strict=True)
+        ):
+            return None
+        starts = [
+            int(t.storage_offset()) + s.offset_bytes for t, s in zip(tensors, spans, strict=True)
+        ]
+        base = min(starts)
+        if row_stride % span_bytes or any((start - base) % span_bytes for start in starts):
+            return None
+        block_step = row_stride // span_bytes
+        elements = [(start - base) // span_bytes for start in starts]
+        # Blocks b, b' of spans i, j share an element iff e_i - e_j == (b' - b) * block_step.
+        for i, j in itertools.combinations(elements, 2):
+            distance = abs(i - j)
+            if distance == 0 or (
+                distance % block_step == 0 and distance // block_step < self.caches.num_blocks
+            ):
+                return None
+        length = (self.caches.num_blocks - 1) * block_step + max(elements) + 1
+        flat = first.as_strided((length * span_bytes,), (1,), base)
+        chunks = flat.numpy().view(np.dtype((np.void, span_bytes)))
+        return _Grid(chunks, block_step, np.array(elements, dtype=np.int64), span_bytes)
+
+    @staticmethod
+    def _chunk_index(grid: _Grid, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Grid elements of the requested blocks' spans, block by block in object order."""
+        if len(grid.span_starts) == 1 and grid.block_step == 1:
+            return ids + grid.span_starts[0] if grid.span_starts[0] else ids
+        return (ids[:, None] * grid.block_step + grid.span_starts).reshape(-1)
+
+    def _check_buffer(self, group_id: int, num_ids: int, buf: npt.NDArray[np.uint8]) -> None:
         block_bytes = self.block_bytes(group_id)
-        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != len(block_ids) * block_bytes:
+        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != num_ids * block_bytes:
             raise ValueError(
                 f"staging buffer is {buf.dtype} {buf.shape}; expected 1-D uint8 of "
-                f"{len(block_ids)} blocks x {block_bytes} bytes"
+                f"{num_ids} blocks x {block_bytes} bytes"
             )
         if not buf.flags.c_contiguous:
             raise ValueError("staging buffer must be C-contiguous")
-        rows = torch.from_numpy(buf).view(len(block_ids), block_bytes)
-        return rows, torch.as_tensor(list(block_ids), dtype=torch.int64)
+
+    def _block_index(self, block_ids: Sequence[int]) -> npt.NDArray[np.int64]:
+        """Block ids as int64; IndexError when one is outside the cache (numpy would
+        otherwise wrap a negative id around)."""
+        return _index(block_ids, self.caches.num_blocks, "block ids")
 
     def _gather_cuda(self, group_id: int, idx: torch.Tensor, rows: torch.Tensor) -> None:
         stream = self._stream
