@@ -6,6 +6,12 @@ compares with copying the same number of bytes between two already-touched
 buffers (numpy and torch; the faster is the limit), measured in the same run.
 Target: copier >= 85% of the limit. Prints a table; exits 0 unless it crashes.
 
+The caches come from ``allocate_kv_caches`` and the staging rows from a
+``StagingArena``; on CPU both take their memory from numpy, as the limit's
+buffers do, so all sides get transparent huge pages where the kernel allows
+(``madvise`` mode). Caches an engine allocates itself may not: vLLM's come
+from torch, which does not ask, and small scattered blocks then copy slower.
+
     .venv/bin/python benchmarks/bench_transfer.py [--reps 15] [--quick] [--threads 1]
 """
 

@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from hybridkv.spec import KVGroup, KVLayoutSpec
@@ -425,7 +426,7 @@ def allocate_kv_caches(
             for g in slot_groups:
                 placement[g.layer_names[slot]] = (total, row)
             total += row * num_blocks
-    buffer = torch.zeros(total, dtype=torch.int8, device=device)
+    buffer = _zeros(total, torch.device(device))
     kv_caches = {
         name: _layer_view(buffer, offset, stride, num_blocks, *page_shapes[name])
         for name, (offset, stride) in placement.items()
@@ -490,6 +491,15 @@ def _layer_view(
     return typed.as_strided(
         (num_blocks, *shape), (stride_bytes // item, *inner), offset_bytes // item
     )
+
+
+def _zeros(num_bytes: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int8 memory for the caches. On CPU it comes from numpy, whose allocator
+    asks the kernel for transparent huge pages on big buffers (torch's does not):
+    copies of blocks scattered over the cache then miss the TLB far less."""
+    if device.type != "cpu":
+        return torch.zeros(num_bytes, dtype=torch.int8, device=device)
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.int8))
 
 
 def _round_up(value: int, multiple: int) -> int:

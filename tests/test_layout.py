@@ -4,6 +4,7 @@ agreement with a brute-force reader of the engine-facing per-layer tensors."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -19,6 +20,7 @@ from hybridkv.layout import (
     canonicalize,
 )
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.transfer import StagingArena
 
 # ---------------------------------------------------------------- layouts and references
 
@@ -103,6 +105,41 @@ def test_allocate_gives_engine_shapes_and_canonical_objects(kind: KVLayoutKind) 
         for block_id in range(8):
             want = reference_object(alloc.kv_caches, g, block_id)
             assert object_via_spans(c, group_id, block_id) == want
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether the mapping holding ``address`` may get transparent huge pages."""
+    start = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                low, high = (int(part, 16) for part in first.split("-"))
+                start = low if low <= address < high else None
+            elif start is not None and first == "THPeligible:":
+                return line.split()[1] == "1"
+    raise AssertionError(f"no THPeligible line for {address:#x}")
+
+
+def _thp_mode() -> str:
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(path) or not os.path.exists("/proc/self/smaps"):
+        return "[never]"
+    with open(path) as file:
+        return file.read()
+
+
+@pytest.mark.skipif("[never]" in _thp_mode(), reason="no transparent huge pages here")
+def test_cpu_caches_and_staging_may_use_huge_pages() -> None:
+    """Scattered block copies miss the TLB far less on huge pages (bench_transfer)."""
+    alloc = allocate_kv_caches(gemma_like(page=1 << 20), 16, kind=KVLayoutKind.LAYER_MAJOR)
+    middle = alloc.buffer.numel() // 2  # the first bytes may share a page with malloc's
+    assert _thp_eligible(alloc.buffer.data_ptr() + middle)
+    arena = StagingArena(32 << 20)
+    assert _thp_eligible(arena.array.ctypes.data + (16 << 20))
+    if "[always]" not in _thp_mode():
+        plain = torch.zeros(32 << 20, dtype=torch.int8)  # what torch alone gives
+        assert not _thp_eligible(plain.data_ptr() + (16 << 20))
 
 
 def test_block_major_groups_share_one_slot_per_layer_index() -> None:

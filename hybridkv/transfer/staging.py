@@ -27,9 +27,10 @@ class StagingArena:
         self.total_bytes = total_bytes - total_bytes % align
         if self.total_bytes == 0:
             raise ValueError(f"staging total_bytes={total_bytes} must be at least {align}")
-        self._tensor = torch.empty(
-            self.total_bytes + align, dtype=torch.uint8, pin_memory=pin_memory
-        )
+        if pin_memory:
+            self._tensor = torch.empty(self.total_bytes + align, dtype=torch.uint8, pin_memory=True)
+        else:  # numpy's allocator asks for transparent huge pages on big buffers
+            self._tensor = torch.from_numpy(np.empty(self.total_bytes + align, dtype=np.uint8))
         raw: npt.NDArray[np.uint8] = self._tensor.numpy()
         shift = -raw.ctypes.data % align
         self.array: npt.NDArray[np.uint8] = raw[shift : shift + self.total_bytes]
