@@ -634,18 +634,8 @@ class DiskTier(Tier):
         """Index vs segments vs counters vs the slot tables and files on disk."""
         with self._lock:
             self._table.check()
-            segments_now = self._table.segments.values()
             if not self.read_only:
-                assert self._table.allocated <= self.capacity_bytes
-                on_disk = {
-                    int(m.group(1), 16): os.stat(self.root / name).st_size
-                    for name in os.listdir(self.root)
-                    if (m := segments.SEGMENT_NAME.match(name))
-                }
-                known = {s.seq: s.size for s in segments_now if not s.failed}
-                assert on_disk == known, f"segment files {on_disk} != segments {known}"
-                temps = [n for n in os.listdir(self.root) if n.startswith(TEMP_PREFIX)]
-                assert not temps, f"leaked temp files {temps}"
+                self._check_files()
             for digest, entry in self._table.index.items():
                 segment = entry.segment
                 raw = os.pread(segment.fd, SLOT_BYTES, slot_offset(entry.slot))
@@ -653,3 +643,22 @@ class DiskTier(Tier):
                 assert isinstance(slot, Slot) and slot.state is SlotState.LIVE, (digest, slot)
                 found = (slot.digest.hex(), slot.offset, slot.length)
                 assert found == (digest, entry.offset, entry.length), digest
+
+    def _check_files(self) -> None:
+        """Segment files on disk vs the table (under the lock). A put may be
+        preparing segments right now; those and the files they take over are
+        checked once ready, which is decided before listing the directory."""
+        assert self._table.allocated <= self.capacity_bytes
+        now = list(self._table.segments.values())
+        opening = [s for s in now if not s.ready.is_set()]
+        skip = {s.seq for s in opening} | {s.reuse_seq for s in opening}
+        names = os.listdir(self.root)
+        on_disk = {
+            seq: os.stat(self.root / name).st_size
+            for name in names
+            if (m := segments.SEGMENT_NAME.match(name)) and (seq := int(m.group(1), 16)) not in skip
+        }
+        known = {s.seq: s.size for s in now if s not in opening and not s.failed}
+        assert on_disk == known, f"segment files {on_disk} != segments {known}"
+        temps = [name for name in names if name.startswith(TEMP_PREFIX)]
+        assert len(temps) <= len(opening), f"leaked temp files {temps}"

@@ -45,6 +45,8 @@ class Segment:
     """Writer: its last use, as stamped on the file."""
     reuse: Segment | None = None
     """While opening: the evicted segment whose file this one takes over."""
+    reuse_seq: int = 0
+    """The seq of that segment (0: a new file), kept for integrity checks."""
     seen_slots: set[int] = field(default_factory=set)
     """Read-only: filled slots already handled (rescans skip them)."""
     ready: threading.Event = field(default_factory=threading.Event)
@@ -182,7 +184,8 @@ class SegmentTable:
         header = SegmentHeader(seq, geometry.size, geometry.num_slots, geometry.data_offset, False)
         segment = Segment(header, f"{self.root}/{segment_name(seq)}")
         segment.cursor = geometry.data_offset
-        segment.reuse = victims[0] if victims else None  # its file becomes this one's
+        if victims:
+            segment.reuse, segment.reuse_seq = victims[0], victims[0].seq  # its file is ours
         self.segments[seq] = segment
         self.allocated += geometry.size
         work.to_open.append(segment)
@@ -224,7 +227,7 @@ class SegmentTable:
     def check(self) -> None:
         """Raise AssertionError if index, segments and counters disagree."""
         assert len(self.pending) == sum(s.pending for s in self.segments.values())
-        assert not any(s.readers for s in self.segments.values())
+        assert all(s.readers >= 0 and s.pending >= 0 for s in self.segments.values())
         for digest, entry in self.index.items():
             assert self.holds(entry.segment), digest
             assert digest in entry.segment.digests, digest
