@@ -312,7 +312,7 @@ def test_bad_values_written_behind_its_back_are_corrupt(tier: MooncakeTier, raw:
 
 
 def test_objects_larger_than_the_staging_region_are_skipped_and_logged_once(
-    pool: LocalPool, caplog: pytest.LogCaptureFixture
+    pool: LocalPool, tier: MooncakeTier, caplog: pytest.LogCaptureFixture
 ) -> None:
     with make_tier(pool, local_buffer_bytes=256 << 10) as small, caplog.at_level(logging.WARNING):
         keys = new_keys(3)
@@ -325,6 +325,11 @@ def test_objects_larger_than_the_staging_region_are_skipped_and_logged_once(
         warnings = [r for r in caplog.records if "staging slot" in r.getMessage()]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         assert "local_buffer_bytes" in warnings[0].getMessage()
+        # Once another client stored it, the same object is EXISTS here, not an error.
+        assert tier.put_many(keys[2:], buffers[2:]) == [PutStatus.OK]
+        expected = [PutStatus.ERROR, PutStatus.EXISTS, PutStatus.EXISTS]
+        assert small.put_many(keys, buffers) == expected
+        assert small.stats().errors == 6
         small.check_integrity()
 
 
