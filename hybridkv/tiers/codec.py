@@ -57,7 +57,9 @@ def pack_header(key: StoreKey, payload: Bytes) -> bytes:
 
 def write_header_into(out: Buffer, key: StoreKey, payload: Buffer) -> None:
     """Write the header for ``payload`` into the first HEADER_BYTES of ``out``."""
-    out[:HEADER_BYTES] = np.frombuffer(pack_header(key, payload), dtype=np.uint8)
+    _HEADER.pack_into(
+        out.data, 0, MAGIC, VERSION, 0, len(payload), checksum(payload), key_digest(key)
+    )
 
 
 def check_format(header: Bytes) -> HeaderError | None:
@@ -78,7 +80,13 @@ def verify_header(header: Bytes, key: StoreKey, payload_bytes: int) -> HeaderErr
     raw = bytes(_view(header)[:HEADER_BYTES])
     if len(raw) < HEADER_BYTES:
         return HeaderError.TRUNCATED
-    magic, version, _, length, _, digest = _HEADER.unpack(raw)
+    return _check_fields(_HEADER.unpack(raw), key, payload_bytes)
+
+
+def _check_fields(
+    fields: tuple[bytes, int, int, int, int, bytes], key: StoreKey, payload_bytes: int
+) -> HeaderError | None:
+    magic, version, _, length, _, digest = fields
     if magic != MAGIC:
         return HeaderError.BAD_MAGIC
     if version != VERSION:
@@ -108,9 +116,13 @@ def header_length(header: Bytes) -> int:
 
 def verify_object(header: Bytes, key: StoreKey, payload: Buffer) -> HeaderError | None:
     """Full check of a header against the payload read back."""
-    problem = verify_header(header, key, len(payload))
+    raw = bytes(_view(header)[:HEADER_BYTES])
+    if len(raw) < HEADER_BYTES:
+        return HeaderError.TRUNCATED
+    fields = _HEADER.unpack(raw)
+    problem = _check_fields(fields, key, len(payload))
     if problem is not None:
         return problem
-    if header_checksum(header) != checksum(payload):
+    if fields[4] != checksum(payload):
         return HeaderError.BAD_CHECKSUM
     return None

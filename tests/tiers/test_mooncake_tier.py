@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 from hybridkv.pool import LocalPool, ServerRole
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import pack_header
-from hybridkv.tiers.mooncake import MooncakeConfig, MooncakeTier, plan_rounds
+from hybridkv.tiers.mooncake import MooncakeConfig, MooncakeTier, plan_rounds, share_work
 from hybridkv.tiers.registry import parse_tier_config
 from hybridkv.tiers.remote import HealthGate
 from tests.servers import MIB, MooncakePool, timed, wait_for
@@ -113,6 +115,60 @@ def test_plan_rounds_packs_in_order_without_overlap(sizes: list[int], region: in
         assert used + second.num_bytes[0] > region
 
 
+def test_share_work_answers_in_order_once_each_with_both_threads() -> None:
+    taken: list[str] = []
+    both = threading.Barrier(2, timeout=10)
+
+    def square(x: int) -> int:
+        if x < 2:
+            both.wait()  # items 0 and 1 can only finish if the two threads take one each
+        taken.append(threading.current_thread().name)
+        return x * x
+
+    with cf.ThreadPoolExecutor(1, "helper") as helper:
+        assert share_work(helper, square, list(range(40))) == [x * x for x in range(40)]
+    assert len(taken) == 40, "an item was done twice or skipped"
+    assert {name.split("_")[0] for name in taken} == {"MainThread", "helper"}
+    caller_only: list[str] = []
+
+    def name_of(x: int) -> int:
+        caller_only.append(threading.current_thread().name)
+        return x
+
+    assert share_work(None, name_of, [1, 2, 3]) == [1, 2, 3]
+    stopped = cf.ThreadPoolExecutor(1)
+    stopped.shutdown()
+    assert share_work(stopped, name_of, [4, 5]) == [4, 5]
+    assert set(caller_only) == {"MainThread"}
+
+
+def test_share_work_returns_only_when_no_item_is_running() -> None:
+    running = [0]
+    finished: list[int] = []
+    guard = threading.Lock()
+
+    def slow(x: int) -> int:
+        with guard:
+            running[0] += 1
+        try:
+            time.sleep(0.01)
+            if x == 5:
+                raise RuntimeError("item 5")
+            return x
+        finally:
+            with guard:
+                running[0] -= 1
+                finished.append(x)
+
+    with cf.ThreadPoolExecutor(1) as helper:
+        with pytest.raises(RuntimeError, match="item 5"):
+            share_work(helper, slow, list(range(20)))
+        assert running[0] == 0, "a helper item still ran after the call returned"
+        done = len(finished)
+        time.sleep(0.05)
+        assert len(finished) == done
+
+
 def test_health_gate_probes_in_the_background_until_one_succeeds(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -192,6 +248,55 @@ def test_stored_value_is_codec_header_then_payload(tier: MooncakeTier, raw: Any)
     assert raw.get(key[0]) == pack_header(key[0], payload) + payload.tobytes()
 
 
+@pytest.mark.parametrize("attempt", range(5))  # a slot reused too early shows only sometimes
+def test_put_answers_exists_for_what_the_pool_holds_in_every_round(
+    tier: MooncakeTier, attempt: int
+) -> None:
+    # 512 KiB slots: rounds [0 1] [2] [3 4] [5] [6]. The pool already holds 0 (found while
+    # the first round is staged) and 3, 4 (a round left empty: the next one must not
+    # reuse the slot of round [2], which may still be in flight).
+    sizes = [100_000, 100_000, 500_000, 200_000, 200_000, 300_000, 300_000]
+    assert [r.indices for r in plan_rounds([n + 48 for n in sizes], tier.slot_bytes)[0]] == [
+        [0, 1], [2], [3, 4], [5], [6]
+    ]  # fmt: skip
+    keys = new_keys(7)
+    firsts = payloads(sizes, seed=11)
+    held = [0, 3, 4]
+    assert tier.put_many([keys[i] for i in held], [firsts[i] for i in held]) == [PutStatus.OK] * 3
+    seconds = payloads(sizes, seed=12)
+    puts_before = tier.stats().puts
+    statuses = tier.put_many(keys, seconds)
+    assert statuses == [PutStatus.EXISTS if i in held else PutStatus.OK for i in range(7)]
+    assert tier.stats().puts == puts_before + 4
+    outs = [np.empty(size, dtype=np.uint8) for size in sizes]
+    assert tier.get_many_into(keys, outs) == [GetStatus.OK] * 7
+    for i, out in enumerate(outs):
+        assert np.array_equal(out, firsts[i] if i in held else seconds[i]), i
+    tier.check_integrity()
+
+
+def test_large_rounds_round_trip_and_corrupt_objects_stay_unread(pool: LocalPool, raw: Any) -> None:
+    # Rounds of 2.4 MB: staged and checked by two threads.
+    with make_tier(pool, local_buffer_bytes=16 * MIB) as big:
+        keys = new_keys(13)
+        buffers = payloads([300_000] * 8, seed=13)
+        assert big.put_many(keys[:8], buffers) == [PutStatus.OK] * 8
+        assert raw.get(keys[3]) == pack_header(keys[3], buffers[3]) + buffers[3].tobytes()
+        for key, value in zip(keys[8:], bad_values(keys[8:], buffers[0]), strict=True):
+            assert raw.put(key, value) == 0
+        order = [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 6, 7]  # good and bad interleaved
+        outs = [np.full(300_000, 7, dtype=np.uint8) for _ in order]
+        statuses = big.get_many_into([keys[i] for i in order], outs)
+        for i, status, out in zip(order, statuses, outs, strict=True):
+            if i < 8:
+                assert status is GetStatus.OK and np.array_equal(out, buffers[i]), i
+            else:
+                assert status is GetStatus.CORRUPT and (out == 7).all(), i
+        stats = big.stats()
+        assert (stats.gets, stats.corrupt, stats.errors) == (8, 5, 0)
+        big.check_integrity()
+
+
 def test_bad_values_written_behind_its_back_are_corrupt(tier: MooncakeTier, raw: Any) -> None:
     keys = new_keys(5)
     (payload,) = payloads([4096], seed=3)
@@ -207,7 +312,7 @@ def test_bad_values_written_behind_its_back_are_corrupt(tier: MooncakeTier, raw:
 
 
 def test_objects_larger_than_the_staging_region_are_skipped_and_logged_once(
-    pool: LocalPool, caplog: pytest.LogCaptureFixture
+    pool: LocalPool, tier: MooncakeTier, caplog: pytest.LogCaptureFixture
 ) -> None:
     with make_tier(pool, local_buffer_bytes=256 << 10) as small, caplog.at_level(logging.WARNING):
         keys = new_keys(3)
@@ -220,6 +325,11 @@ def test_objects_larger_than_the_staging_region_are_skipped_and_logged_once(
         warnings = [r for r in caplog.records if "staging slot" in r.getMessage()]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
         assert "local_buffer_bytes" in warnings[0].getMessage()
+        # Once another client stored it, the same object is EXISTS here, not an error.
+        assert tier.put_many(keys[2:], buffers[2:]) == [PutStatus.OK]
+        expected = [PutStatus.ERROR, PutStatus.EXISTS, PutStatus.EXISTS]
+        assert small.put_many(keys, buffers) == expected
+        assert small.stats().errors == 6
         small.check_integrity()
 
 
@@ -319,6 +429,25 @@ def test_hung_master_costs_one_timeout_then_recovers() -> None:
         wait_for(lambda: tier.contains_many(keys) == [True, True], timeout_s=20)
         outs = [np.zeros(10_000, dtype=np.uint8) for _ in keys]
         assert tier.get_many_into(keys, outs) == [GetStatus.OK] * 2
+        assert all(np.array_equal(o, b) for o, b in zip(outs, buffers, strict=True))
+        tier.check_integrity()
+
+
+def test_put_to_a_hung_master_costs_one_timeout_and_stores_nothing() -> None:
+    with MooncakePool(segment_bytes=64 * MIB) as fault_pool, make_tier(fault_pool) as tier:
+        keys = new_keys(8)
+        buffers = payloads([300_000] * 8, seed=14)
+        fault_pool.pause(ServerRole.MASTER)
+        try:
+            statuses, seconds = timed(lambda: tier.put_many(keys, buffers))
+            assert statuses == [PutStatus.ERROR] * 8
+            assert OP_TIMEOUT_S * 0.9 < seconds < OP_TIMEOUT_S + 1.0
+            assert not tier.healthy and tier.stats().errors == 8 and tier.stats().puts == 0
+        finally:
+            fault_pool.resume(ServerRole.MASTER)
+        wait_for(lambda: tier.put_many(keys, buffers) == [PutStatus.OK] * 8, timeout_s=20)
+        outs = [np.empty_like(buf) for buf in buffers]
+        assert tier.get_many_into(keys, outs) == [GetStatus.OK] * 8
         assert all(np.array_equal(o, b) for o, b in zip(outs, buffers, strict=True))
         tier.check_integrity()
 
