@@ -203,8 +203,7 @@ class DiskTier(Tier):
         capacity smaller than what is on disk evicts the oldest."""
         for segment in self._table.segments.values():
             self._table.supersede(segment)
-            if os.fstat(segment.fd).st_size < segment.size:
-                os.ftruncate(segment.fd, segment.size)  # cut short: restore its geometry
+            self._restore_size(segment)
             if not segment.sealed:
                 self._seal(segment)
         while self._table.allocated > self.capacity_bytes and self._table.segments:
@@ -308,12 +307,25 @@ class DiskTier(Tier):
         index, lost = self._table.index, False
         for segment in {e.segment for d in digests if (e := index.get(d)) is not None}:
             try:
-                segment.lost = os.fstat(segment.fd).st_nlink == 0
+                self._removed(segment)
             except OSError:
                 segment.lost = True
             lost |= segment.lost
             self._drop_if_lost(segment)
         return lost
+
+    @staticmethod
+    def _removed(segment: Segment) -> bool:
+        """Whether the segment's file lost its last link (removed from outside); marks it."""
+        if os.fstat(segment.fd).st_nlink == 0:
+            segment.lost = True
+        return segment.lost
+
+    @staticmethod
+    def _restore_size(segment: Segment) -> None:
+        """A segment file cut short gets its size back, so its geometry holds again."""
+        if os.fstat(segment.fd).st_size < segment.size:
+            os.ftruncate(segment.fd, segment.size)
 
     def _drop_if_lost(self, segment: Segment) -> None:
         if not segment.lost:
@@ -397,8 +409,7 @@ class DiskTier(Tier):
         if segment.failed:
             return False
         try:
-            if os.fstat(segment.fd).st_nlink == 0:
-                segment.lost = True
+            if self._removed(segment):
                 return False
             run = [segments.Placed(r.slot, r.offset, keys[r.item], buffers[r.item]) for r in part]
             segments.write_run(
@@ -475,8 +486,7 @@ class DiskTier(Tier):
     def _read(self, entry: Entry, key: StoreKey, buf: Buffer) -> _ReadOutcome:
         segment = entry.segment
         try:
-            if os.fstat(segment.fd).st_nlink == 0:
-                segment.lost = True
+            if self._removed(segment):
                 return segments.GONE
             return segments.read_object(
                 segment.fd, segment.header, entry.slot, entry.offset, key, buf
@@ -521,8 +531,7 @@ class DiskTier(Tier):
             return
         self._mark_dead(segment, slot)
         try:
-            if os.fstat(segment.fd).st_size < segment.size:
-                os.ftruncate(segment.fd, segment.size)  # cut short: restore its geometry
+            self._restore_size(segment)
         except OSError as exc:
             self._log.warning("restore", "%s: %s", segment.path, exc)
 

@@ -22,6 +22,7 @@ from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.disk import DiskConfig, DiskTier, DiskTierInUse, FsyncPolicy
 from hybridkv.tiers.segments import PAGE, SLOT_BYTES, Geometry, RecordInfo, SlotState
+from tests.e2e.corrupt import flip_payload_byte
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -209,11 +210,7 @@ def test_exists_keeps_the_first_value(tmp_path: Path) -> None:
 
 
 def _flip_payload_byte(victim: RecordInfo, other: RecordInfo) -> None:
-    with victim.path.open("r+b") as file:
-        file.seek(victim.offset + 100)
-        byte = file.read(1)
-        file.seek(victim.offset + 100)
-        file.write(bytes([byte[0] ^ 0x01]))
+    flip_payload_byte(victim)
 
 
 def _truncate(victim: RecordInfo, other: RecordInfo) -> None:
