@@ -259,13 +259,26 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return None if report.is_empty else VllmWorkerMeta(report)
 
     def get_kv_connector_stats(self) -> HybridKVStats | None:
+        data = self._deltas.delta(self.counters())
+        return HybridKVStats(data=data) if data else None
+
+    def counters(self) -> dict[str, float]:
+        """This side's counters since it started, named as in the ``hybridkv_*`` metrics.
+
+        The engine ships them with its steps: what a write-back finishes after
+        the last step reaches the metrics only with the next one.
+        """
         counters: dict[str, float] = {}
         if self._scheduler is not None:
             counters.update(flatten("lookup", self._scheduler.stats.as_dict()))
         if self._worker is not None:
             counters.update(self._worker_counters())
-        data = self._deltas.delta(counters)
-        return HybridKVStats(data=data) if data else None
+        return counters
+
+    def flush_writes(self, timeout_s: float | None = None) -> bool:
+        """Worker side: wait until every queued write-back to the slower tiers is done
+        (False on timeout). True at once on the scheduler side."""
+        return self._store is None or self._store.flush(timeout_s)
 
     def _worker_counters(self) -> dict[str, float]:
         assert self._worker is not None and self._store is not None

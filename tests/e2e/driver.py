@@ -91,8 +91,9 @@ def run_step(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     if op == "reset":
         ok = llm.reset_prefix_cache()
         return {"reset_ok": bool(ok), "wiped_bytes": engine_tools.wipe_kv_cache(llm)}
-    if op == "integrity":
-        return {"integrity": engine_tools.check_connector_integrity()}
+    if op == "integrity":  # after the write-backs, so nothing is in flight
+        settled = engine_tools.settle_connector()
+        return {**settled, "integrity": engine_tools.check_connector_integrity()}
     if op == "zero_group":
         return {"num_blocks_zeroed": engine_tools.zero_cached_blocks(llm, step["group_id"])}
     raise ValueError(f"unknown engine step op {op!r}")

@@ -171,6 +171,24 @@ def stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return metric_delta(before, after)
 
 
+def settle_connector(timeout_s: float = 60.0) -> dict[str, Any]:
+    """Wait for the worker connector's write-backs; then its counters since it started.
+
+    Metric snapshots taken right after ``generate`` may miss write-backs still
+    running (they reach the metrics with a later engine step); these do not.
+    """
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    if not has_kv_transfer_group():
+        return {}
+    connector = get_kv_transfer_group()
+    flushed = bool(connector.flush_writes(timeout_s))
+    return {"flushed": flushed, "counters": connector.counters()}
+
+
 def check_connector_integrity() -> str:
     """Run the worker connector's ``check_integrity()``: "ok" or what failed."""
     from vllm.distributed.kv_transfer.kv_transfer_state import (
