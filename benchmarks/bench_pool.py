@@ -41,7 +41,8 @@ import numpy as np
 from hybridkv.pool import LocalPool
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import HEADER_BYTES
-from hybridkv.tiers.mooncake import MooncakeConfig, MooncakeTier
+from hybridkv.tiers.mooncake import MooncakeTier
+from hybridkv.tiers.mooncake_config import MooncakeConfig
 from hybridkv.tiers.valkey import ValkeyConfig, ValkeyTier
 
 TARGET_RATIO = 0.80

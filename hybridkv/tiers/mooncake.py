@@ -11,7 +11,14 @@ and copied out (loads). Staging (copy in, checksum) and checking (checksum,
 copy out) of a round run on two threads: numpy copies and xxh3 release the
 GIL. Every object goes in one Mooncake slice: over TCP each extra slice costs
 more than the copy it would spare, so objects are never split into a header
-slice and a payload slice read from the caller's memory.
+slice and a payload slice read from the caller's memory. Rounds are planned
+and staged in ``mooncake_rounds``; settings live in ``mooncake_config``.
+
+On a small host the Mooncake call itself uses the CPU: its caller polls for
+completion without sleeping, and on loopback both TCP ends run here too.
+Measured on 2 cores (64 x 256 KiB): splitting a batch into pipelined rounds,
+two calls at once, or lowering the polling thread's priority all came out
+slower than one round staged first, so batches up to a slot go as one round.
 
 Failures are values. Each Mooncake call runs in a helper thread and is
 abandoned after ``op_timeout_s`` (calls to a killed master take ~4.3 s each,
@@ -27,18 +34,14 @@ object of another size (-600 on a get, or a short read) -> CORRUPT; -706
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import enum
-import itertools
 import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Self, TypeVar
-
-import numpy as np
+from typing import Any, TypeVar
 
 from hybridkv.tiers.base import (
     Buffer,
@@ -50,54 +53,29 @@ from hybridkv.tiers.base import (
     TierUsage,
     check_batch,
 )
-from hybridkv.tiers.codec import HEADER_BYTES, HeaderError, verify_object, write_header_into
+from hybridkv.tiers.codec import HEADER_BYTES, HeaderError
 from hybridkv.tiers.cpu import allocate_arena
-from hybridkv.tiers.registry import ConfigReader, value_problems
-from hybridkv.tiers.remote import HealthGate, LogOnce, check_address, tcp_reachable
+from hybridkv.tiers.mooncake_config import MooncakeConfig
+from hybridkv.tiers.mooncake_rounds import (
+    ALIGN_BYTES,
+    Item,
+    Round,
+    check_object,
+    plan_rounds,
+    release_when_done,
+    share_work,
+    stage_object,
+)
+from hybridkv.tiers.remote import HealthGate, LogOnce, tcp_reachable
 
 logger = logging.getLogger(__name__)
 
-ALIGN_BYTES = 64
 _SETUP_TIMEOUT_S = 15.0
 _PROBE_KEY = "hybridkv/health-probe"
 _SHARED_MIN_BYTES = 1 << 20
 """Rounds at least this large are staged or checked with the copy thread's help."""
 
-_T = TypeVar("_T")
 _R = TypeVar("_R")
-
-
-class Round(NamedTuple):
-    """Objects that fit one staging region together: one Mooncake call."""
-
-    indices: list[int]
-    offsets: list[int]
-    num_bytes: list[int]
-
-
-def plan_rounds(num_bytes: Sequence[int], region_bytes: int) -> tuple[list[Round], list[int]]:
-    """Pack objects in order into rounds of aligned offsets within ``region_bytes``.
-
-    Returns the rounds and the indices of objects larger than a region.
-    """
-    rounds: list[Round] = []
-    too_large: list[int] = []
-    current = Round([], [], [])
-    end = 0
-    for i, size in enumerate(num_bytes):
-        if size > region_bytes:
-            too_large.append(i)
-            continue
-        if end + size > region_bytes:
-            rounds.append(current)
-            current, end = Round([], [], []), 0
-        current.indices.append(i)
-        current.offsets.append(end)
-        current.num_bytes.append(size)
-        end += -(-size // ALIGN_BYTES) * ALIGN_BYTES
-    if current.indices:
-        rounds.append(current)
-    return rounds, too_large
 
 
 class McCode(enum.IntEnum):
@@ -119,91 +97,6 @@ _ABSENT = frozenset({McCode.OBJECT_NOT_FOUND, McCode.REPLICA_IS_NOT_READY, McCod
 _UNREACHABLE = frozenset({McCode.RPC_FAIL, McCode.RPC_TIMEOUT})
 
 
-class Protocol(enum.Enum):
-    TCP = "tcp"
-    RDMA = "rdma"
-
-
-_MOONCAKE_KEYS = {
-    "master_address": 'the master\'s "host:port" (required)',
-    "metadata_server": 'transfer metadata service (default "P2PHANDSHAKE": none needed)',
-    "protocol": "'tcp' or 'rdma' (default 'tcp')",
-    "rdma_devices": 'RDMA device names for protocol rdma (default "")',
-    "local_hostname": 'address peers reach this process at (default "127.0.0.1")',
-    "local_buffer_bytes": "registered staging arena, half for loads and half for stores; "
-    'bounds one round trip and one object (default "128MiB")',
-    "global_segment_bytes": "memory this process lends to the pool; 0: none, the pool lives in "
-    "storage daemons (default 0)",
-    "load_weight": "relative cost of loading from this tier, > 0 (default 8.0)",
-    "op_timeout_s": "seconds before one round trip is abandoned as an error (default 2.0)",
-    "retry_interval_s": "seconds between probes of an unreachable pool (default 1.0)",
-}
-
-
-@dataclass(frozen=True, kw_only=True)
-class MooncakeConfig:
-    master_address: str
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: Protocol = Protocol.TCP
-    rdma_devices: str = ""
-    local_hostname: str = "127.0.0.1"
-    local_buffer_bytes: int = 128 << 20
-    """The registered staging arena (not Mooncake's own copy buffer, which stays unused)."""
-    global_segment_bytes: int = 0
-    load_weight: float = 8.0
-    op_timeout_s: float = 2.0
-    retry_interval_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        problems = value_problems(
-            capacity_bytes=self.local_buffer_bytes, minimum=64 << 10, load_weight=self.load_weight
-        )
-        problems += check_address("master_address", self.master_address)
-        if not self.global_segment_bytes >= 0:
-            problems.append(f"global_segment_bytes={self.global_segment_bytes!r}: must be >= 0")
-        for key in ("op_timeout_s", "retry_interval_s"):
-            if not getattr(self, key) > 0:
-                problems.append(f"{key}={getattr(self, key)!r}: must be > 0")
-        if problems:
-            raise ValueError("invalid MooncakeConfig: " + "; ".join(problems))
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], *, where: str) -> Self:
-        reader = ConfigReader(raw, where=where, allowed=_MOONCAKE_KEYS)
-        master_address = reader.text("master_address")
-        if master_address:
-            reader.problems += check_address("master_address", master_address)
-        rdma_devices = raw.get("rdma_devices", "")
-        if not isinstance(rdma_devices, str):
-            reader.problems.append(f"rdma_devices={rdma_devices!r}: must be a string")
-        metadata_server = reader.text("metadata_server", default="P2PHANDSHAKE")
-        protocol = reader.choice("protocol", Protocol, default=Protocol.TCP)
-        local_hostname = reader.text("local_hostname", default="127.0.0.1")
-        local_buffer_bytes = reader.byte_size(
-            "local_buffer_bytes", minimum=64 << 10, default=128 << 20
-        )
-        global_segment_bytes = reader.byte_size("global_segment_bytes", minimum=0, default=0)
-        load_weight = reader.positive_float("load_weight", default=8.0)
-        op_timeout_s = reader.positive_float("op_timeout_s", default=2.0)
-        retry_interval_s = reader.positive_float("retry_interval_s", default=1.0)
-        reader.finish()
-        return cls(
-            master_address=master_address,
-            metadata_server=metadata_server,
-            protocol=protocol,
-            rdma_devices=str(rdma_devices),
-            local_hostname=local_hostname,
-            local_buffer_bytes=local_buffer_bytes,
-            global_segment_bytes=global_segment_bytes,
-            load_weight=load_weight,
-            op_timeout_s=op_timeout_s,
-            retry_interval_s=retry_interval_s,
-        )
-
-    def build(self) -> MooncakeTier:
-        return MooncakeTier(self)
-
-
 class _Side(enum.Enum):
     LOAD = 0
     STORE = 1
@@ -223,75 +116,6 @@ class _Job:
     """Stores: indices the lookup found in the pool (answered EXISTS)."""
     planned: frozenset[int] = frozenset()
     """Stores: indices in some round (the others are too large to stage)."""
-
-
-_Item = tuple[StoreKey, Buffer, Buffer]
-"""A key, its object's bytes in a slot (header, then payload), and the caller's buffer."""
-
-
-def _stage_object(item: _Item) -> None:
-    """Copy the payload behind its header slot, then checksum the copy (still cached)."""
-    key, stored, payload = item
-    body = stored[HEADER_BYTES:]
-    np.copyto(body, payload)
-    write_header_into(stored, key, body)
-
-
-def _check_object(item: _Item) -> HeaderError | None:
-    """Verify a stored object; copy its payload out only when it passes."""
-    key, stored, out = item
-    problem = verify_object(stored[:HEADER_BYTES], key, stored[HEADER_BYTES:])
-    if problem is None:
-        np.copyto(out, stored[HEADER_BYTES:])
-    return problem
-
-
-def share_work(
-    helper: cf.Executor | None, work: Callable[[_T], _R], items: Sequence[_T]
-) -> list[_R]:
-    """``[work(item) for item in items]``, with ``helper`` (one spare thread) taking items too.
-
-    Numpy copies and xxh3 release the GIL, so two threads stage or check a
-    round in ~0.7 of the time of one (64 x 256 KiB on 2 cores). Both claim
-    the next item from one counter: a helper kept off the CPU by other
-    processes leaves the items to the caller instead of holding the round up.
-    Returns only when no ``work`` call is running any more.
-    """
-    results: list[Any] = [None] * len(items)
-    claims = itertools.count()
-
-    def drain() -> None:
-        while (k := next(claims)) < len(items):
-            results[k] = work(items[k])
-
-    help_wanted = None
-    if helper is not None and len(items) > 1:
-        with contextlib.suppress(RuntimeError):  # shut down: work alone
-            help_wanted = helper.submit(drain)
-    try:
-        drain()
-    finally:
-        if help_wanted is not None and not help_wanted.cancel():
-            help_wanted.result()  # its last item; no write may land after the return
-    return results
-
-
-def _release_when_done(lock: threading.Lock, futures: list[cf.Future[Any]]) -> None:
-    """Release ``lock`` once every future has finished (now, if none is running)."""
-    remaining = [len(futures)]
-    guard = threading.Lock()
-
-    def one_done(_future: cf.Future[Any]) -> None:
-        with guard:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            lock.release()
-
-    if not futures:
-        lock.release()
-    for future in futures:
-        future.add_done_callback(one_done)
 
 
 class MooncakeTier(Tier):
@@ -547,7 +371,7 @@ class MooncakeTier(Tier):
         finally:
             unfinished = [future for _, _, future in in_flight]
             self._count(errors=sum(len(r.indices) for r in rounds) - job.num_answered)
-            _release_when_done(lock, unfinished)  # Mooncake may still use the slots
+            release_when_done(lock, unfinished)  # Mooncake may still use the slots
 
     def _finish(
         self, side: _Side, in_flight: deque[tuple[Round, int, cf.Future[Any]]], job: _Job
@@ -573,7 +397,7 @@ class MooncakeTier(Tier):
                 )
                 for k in whole
             ]
-            problems = dict(zip(whole, self._shared(_check_object, items), strict=True))
+            problems = dict(zip(whole, self._shared(check_object, items), strict=True))
             for k, (i, code) in enumerate(zip(round_.indices, codes, strict=True)):
                 job.statuses[i] = self._get_status(
                     job.keys[i], code, round_.num_bytes[k], problems.get(k), unexpected
@@ -592,9 +416,9 @@ class MooncakeTier(Tier):
             (job.keys[i], self._stored(base, round_, k), job.buffers[i])
             for k, i in enumerate(round_.indices)
         ]
-        self._shared(_stage_object, items)
+        self._shared(stage_object, items)
 
-    def _shared(self, work: Callable[[_Item], _R], items: Sequence[_Item]) -> list[_R]:
+    def _shared(self, work: Callable[[Item], _R], items: Sequence[Item]) -> list[_R]:
         """``work`` over a round's items, with the copy thread's help for large rounds."""
         large = sum(len(item[1]) for item in items) >= _SHARED_MIN_BYTES
         return share_work(self._copier if large else None, work, items)

@@ -31,7 +31,7 @@ class TierKind(enum.Enum):
 _CONFIG_CLASSES: dict[TierKind, tuple[str, str]] = {
     TierKind.CPU: ("hybridkv.tiers.cpu", "CpuConfig"),
     TierKind.DISK: ("hybridkv.tiers.disk_config", "DiskConfig"),
-    TierKind.MOONCAKE: ("hybridkv.tiers.mooncake", "MooncakeConfig"),
+    TierKind.MOONCAKE: ("hybridkv.tiers.mooncake_config", "MooncakeConfig"),
     TierKind.VALKEY: ("hybridkv.tiers.valkey", "ValkeyConfig"),
 }
 

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from hybridkv.pool import LocalPool, ServerRole
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import pack_header
-from hybridkv.tiers.mooncake import MooncakeConfig, MooncakeTier, plan_rounds, share_work
+from hybridkv.tiers.mooncake import MooncakeTier
+from hybridkv.tiers.mooncake_config import MooncakeConfig
+from hybridkv.tiers.mooncake_rounds import plan_rounds, share_work
 from hybridkv.tiers.registry import parse_tier_config
 from hybridkv.tiers.remote import HealthGate
 from tests.servers import MIB, MooncakePool, timed, wait_for
