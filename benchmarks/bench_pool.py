@@ -89,24 +89,24 @@ def mooncake_batches(pool: LocalPool, values: list[np.ndarray]) -> Arms:
     raw: Any = MooncakeDistributedStore()
     assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", pool.master_address) == 0
     source, sink = registered(raw, values, offset=0)
-    framed = HEADER_BYTES + size
     framed_source, framed_sink = registered(raw, values, offset=HEADER_BYTES)
     tier = MooncakeTier(MooncakeConfig(master_address=pool.master_address))
     outs = [np.zeros(size, dtype=np.uint8) for _ in range(num)]
 
-    def raw_batch(keys: list[str]) -> tuple[float, float]:
-        put = seconds(raw.batch_put_from, keys, row_pointers(source), [size] * num)
-        get = seconds(raw.batch_get_into, keys, row_pointers(sink), [size] * num)
-        assert np.array_equal(sink, source)
-        assert raw.batch_remove(keys, True) == [0] * num
-        return put, get
+    def raw_rows(source: np.ndarray, sink: np.ndarray, num_bytes: int) -> Batch:
+        """Puts then gets the first ``num_bytes`` of each row; the rest stays zero."""
 
-    def framed_batch(keys: list[str]) -> tuple[float, float]:
-        put = seconds(raw.batch_put_from, keys, row_pointers(framed_source), [framed] * num)
-        get = seconds(raw.batch_get_into, keys, row_pointers(framed_sink), [framed] * num)
-        assert np.array_equal(framed_sink[:, :framed], framed_source[:, :framed])
-        assert raw.batch_remove(keys, True) == [0] * num
-        return put, get
+        def batch(keys: list[str]) -> tuple[float, float]:
+            put = seconds(raw.batch_put_from, keys, row_pointers(source), [num_bytes] * num)
+            get = seconds(raw.batch_get_into, keys, row_pointers(sink), [num_bytes] * num)
+            assert np.array_equal(sink, source)
+            assert raw.batch_remove(keys, True) == [0] * num
+            return put, get
+
+        return batch
+
+    raw_batch = raw_rows(source, sink, size)
+    framed_batch = raw_rows(framed_source, framed_sink, HEADER_BYTES + size)
 
     def tier_batch(keys: list[str]) -> tuple[float, float]:
         store_keys = [StoreKey(key) for key in keys]

@@ -171,34 +171,34 @@ def stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return metric_delta(before, after)
 
 
+def _worker_connector() -> Any | None:
+    """The KV connector of this process's worker, if there is one."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
 def settle_connector(timeout_s: float = 60.0) -> dict[str, Any]:
     """Wait for the worker connector's write-backs; then its counters since it started.
 
     Metric snapshots taken right after ``generate`` may miss write-backs still
     running (they reach the metrics with a later engine step); these do not.
     """
-    from vllm.distributed.kv_transfer.kv_transfer_state import (
-        get_kv_transfer_group,
-        has_kv_transfer_group,
-    )
-
-    if not has_kv_transfer_group():
+    connector = _worker_connector()
+    if connector is None:
         return {}
-    connector = get_kv_transfer_group()
     flushed = bool(connector.flush_writes(timeout_s))
     return {"flushed": flushed, "counters": connector.counters()}
 
 
 def check_connector_integrity() -> str:
     """Run the worker connector's ``check_integrity()``: "ok" or what failed."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import (
-        get_kv_transfer_group,
-        has_kv_transfer_group,
-    )
-
-    if not has_kv_transfer_group():
+    connector = _worker_connector()
+    if connector is None:
         return "no connector in this process"
-    connector = get_kv_transfer_group()
     check = getattr(connector, "check_integrity", None)
     if check is None:
         return f"{type(connector).__name__} has no check_integrity()"
