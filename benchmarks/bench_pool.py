@@ -38,12 +38,13 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 import numpy as np
 
-from hybridkv.pool import LocalPool
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import HEADER_BYTES
-from hybridkv.tiers.mooncake import MooncakeTier
-from hybridkv.tiers.mooncake_config import MooncakeConfig
-from hybridkv.tiers.valkey import ValkeyConfig, ValkeyTier
+from hybridkv.tiers.mooncake.config import MooncakeConfig
+from hybridkv.tiers.mooncake.tier import MooncakeTier
+from hybridkv.tiers.valkey.config import ValkeyConfig
+from hybridkv.tiers.valkey.tier import ValkeyTier
+from hybridkv.tools.pool import LocalPool
 
 TARGET_RATIO = 0.80
 MIB = 1 << 20

@@ -31,7 +31,7 @@ import numpy as np
 
 from hybridkv.tiers.base import Buffer, StoreKey, Tier
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
-from hybridkv.tiers.disk import DiskConfig, DiskTier, FsyncPolicy
+from hybridkv.tiers.disk.tier import DiskConfig, DiskTier, FsyncPolicy
 
 TARGET_DISK_RATIO = 0.70
 _BATCH = 32

@@ -1,7 +1,7 @@
 """Real shared-pool servers for tests, on 127.0.0.1 with free ports.
 
 ``MooncakePool`` (a Mooncake master + one storage daemon) and ``ValkeyServer``
-are context managers over ``hybridkv.pool.LocalPool`` that yield the running
+are context managers over ``hybridkv.tools.pool.LocalPool`` that yield the running
 pool and stop it (and remove its temporary run directory) on exit. Typical
 use in a test module::
 
@@ -23,7 +23,7 @@ from typing import Any
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
-from hybridkv.pool import LocalPool
+from hybridkv.tools.pool import LocalPool
 
 MIB = 1 << 20
 

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv import demo
-from hybridkv.demo import RunReport
-from hybridkv.models import TinyModelKind
+from hybridkv.cli import demo
+from hybridkv.cli.demo import RunReport
 from hybridkv.spec import GroupKind, KVGroup, make_layer_names
+from hybridkv.tools.models import TinyModelKind
 
 SLIDING = KVGroup(
     kind=GroupKind.SLIDING_WINDOW,

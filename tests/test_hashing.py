@@ -17,7 +17,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.hashing import (
+from hybridkv.keys import (
     BlockHash,
     HashAlgo,
     KeyBuilder,
@@ -47,7 +47,7 @@ def reference_hashes(
     cache_salt: str | None = None,
     lora_name: str | None = None,
 ) -> list[bytes]:
-    """The documented encoding, written out independently of hybridkv.hashing."""
+    """The documented encoding, written out independently of hybridkv.keys."""
     parent = digest(algo, b"hybridkv:block-hash:v1")
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
@@ -105,7 +105,7 @@ def test_hash_block_tokens_chains_from_the_root(algo: HashAlgo) -> None:
 
 STABILITY_SCRIPT = """
 import json
-from hybridkv.hashing import HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
+from hybridkv.keys import HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 tokens = [(i * 7919) % 50000 for i in range(1000)]
 out = {}

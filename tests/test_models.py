@@ -14,9 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hybridkv.models as models
-from hybridkv.models import TinyModel, TinyModelKind, build_tiny_model, default_prompt_token_ids
+import hybridkv.tools.models as models
 from hybridkv.spec import GroupKind
+from hybridkv.tools.models import (
+    TinyModel,
+    TinyModelKind,
+    build_tiny_model,
+    default_prompt_token_ids,
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from hybridkv.cli import main
-from hybridkv.pool import STATE_FILE, LocalPool, ServerRole, default_run_dir, read_metrics
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, Tier
 from hybridkv.tiers.registry import build_tier, parse_tier_config
+from hybridkv.tools.pool import STATE_FILE, LocalPool
+from hybridkv.tools.servers import ServerRole, default_run_dir, read_metrics
 from tests.servers import MIB, MooncakePool
 
 
@@ -97,7 +98,7 @@ def test_default_run_dir_follows_the_cache_dir(
     monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))
     assert main(["pool", "status"]) == 2
     assert str(tmp_path / "pool") in capsys.readouterr().err
-    from hybridkv.connector.config import default_cache_dir
+    from hybridkv.paths import default_cache_dir
 
     for cache_dir in (str(tmp_path), None):
         if cache_dir is None:

@@ -18,7 +18,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from hybridkv.presets import (
+from hybridkv.spec import GroupKind, KVLayoutSpec
+from hybridkv.spec.presets import (
     DEEPSEEK_V4_PAGE_BYTES,
     PRESETS,
     QWEN3_NEXT_STATE_BYTES,
@@ -32,7 +33,6 @@ from hybridkv.presets import (
     load_layout,
     qwen3_next_80b_a3b,
 )
-from hybridkv.spec import GroupKind, KVLayoutSpec
 
 BF16 = torch.bfloat16
 

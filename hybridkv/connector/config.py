@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.hashing import HashAlgo
+from hybridkv.keys import HashAlgo
+from hybridkv.paths import CACHE_DIR_ENV, default_cache_dir
 from hybridkv.tiers.registry import ConfigReader, TierConfig, parse_tier_configs
-from hybridkv.tiers.tiered import Selection
+from hybridkv.tiers.selection import Selection
 
-CACHE_DIR_ENV = "HYBRIDKV_CACHE_DIR"
 DEFAULT_CPU_CAPACITY_BYTES = 2 << 30
 DEFAULT_DISK_CAPACITY_BYTES = 32 << 30
 DEFAULT_LOAD_TIMEOUT_S = 30.0
@@ -43,16 +43,6 @@ ALLOWED_KEYS: dict[str, str] = {
     "model_id": "name that keeps this model's keys apart (default: the engine's model)",
     "hash_algo": "'xxh3_128' or 'sha256' (default 'xxh3_128')",
 }
-
-
-def default_cache_dir() -> Path:
-    """``$HYBRIDKV_CACHE_DIR`` when set, else the user's cache directory + ``hybridkv``."""
-    explicit = os.environ.get(CACHE_DIR_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "hybridkv"
 
 
 def default_tier_dicts(

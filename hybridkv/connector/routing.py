@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier, TierStats, TierUsage
-from hybridkv.tiers.tiered import TieredStore
+from hybridkv.tiers.tiered.store import TieredStore
 
 
 class RoutedStore(Tier):

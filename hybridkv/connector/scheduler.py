@@ -32,11 +32,11 @@ from hybridkv.connector.steps import (
     StepInput,
 )
 from hybridkv.connector.views import BoundedKeySet, KeyLookup
-from hybridkv.hashing import HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.hits import Hit, find_longest_hit
+from hybridkv.keys import HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.planner import GroupBlockTable
 from hybridkv.spec import KVLayoutSpec
-from hybridkv.tiers.tiered import Selection, pick_whole_request_tier
+from hybridkv.tiers.selection import Selection, pick_whole_request_tier
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.views import KeyLookup, LookupView, TierSlice
 from hybridkv.tiers.base import Tier
 from hybridkv.tiers.cpu import CpuConfig
-from hybridkv.tiers.disk_config import DiskConfig
+from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.registry import build_tier
-from hybridkv.tiers.tiered import TieredStore
+from hybridkv.tiers.tiered.store import TieredStore
 
 logger = logging.getLogger(__name__)
 

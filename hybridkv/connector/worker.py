@@ -26,11 +26,11 @@ from hybridkv.connector.metadata import (
     WorkerReport,
 )
 from hybridkv.connector.routing import RoutedStore
-from hybridkv.hashing import KeyNamespace
+from hybridkv.keys import KeyNamespace
 from hybridkv.layout import CanonicalKVCaches, canonicalize
 from hybridkv.spec import KVLayoutSpec
 from hybridkv.tiers.base import StoreKey, Tier
-from hybridkv.tiers.tiered import TieredStore
+from hybridkv.tiers.tiered.store import TieredStore
 from hybridkv.transfer import JobId, JobResult, TransferConfig, TransferEngine, TransferPart
 
 logger = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ class TierKind(enum.Enum):
 
 _CONFIG_CLASSES: dict[TierKind, tuple[str, str]] = {
     TierKind.CPU: ("hybridkv.tiers.cpu", "CpuConfig"),
-    TierKind.DISK: ("hybridkv.tiers.disk_config", "DiskConfig"),
-    TierKind.MOONCAKE: ("hybridkv.tiers.mooncake_config", "MooncakeConfig"),
-    TierKind.VALKEY: ("hybridkv.tiers.valkey", "ValkeyConfig"),
+    TierKind.DISK: ("hybridkv.tiers.disk.config", "DiskConfig"),
+    TierKind.MOONCAKE: ("hybridkv.tiers.mooncake.config", "MooncakeConfig"),
+    TierKind.VALKEY: ("hybridkv.tiers.valkey.config", "ValkeyConfig"),
 }
 
 

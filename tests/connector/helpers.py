@@ -18,13 +18,13 @@ from hybridkv.connector import (
     build_store,
     lookup_for_store,
 )
-from hybridkv.hashing import KeyBuilder, KeyNamespace, RequestBlockHasher
+from hybridkv.keys import KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.spec import KVLayoutSpec
-from hybridkv.tiers import segments
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier, TierStats, TierUsage
 from hybridkv.tiers.codec import key_digest
-from hybridkv.tiers.disk import DiskConfig, DiskTier
-from hybridkv.tiers.tiered import TieredStore
+from hybridkv.tiers.disk import segments
+from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
+from hybridkv.tiers.tiered.store import TieredStore
 from hybridkv.transfer import TransferConfig
 from tests.connector.sim import SimEngine
 

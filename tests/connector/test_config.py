@@ -13,10 +13,10 @@ from hybridkv.connector.config import (
     DEFAULT_DISK_CAPACITY_BYTES,
     default_cache_dir,
 )
-from hybridkv.hashing import HashAlgo
+from hybridkv.keys import HashAlgo
 from hybridkv.tiers.cpu import CpuConfig
-from hybridkv.tiers.disk import DiskConfig
-from hybridkv.tiers.tiered import Selection
+from hybridkv.tiers.disk.tier import DiskConfig
+from hybridkv.tiers.selection import Selection
 
 
 def test_empty_config_is_cpu_then_disk_under_the_cache_dir_env(

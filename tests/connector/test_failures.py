@@ -7,8 +7,8 @@ from pathlib import Path
 
 from hybridkv.connector import build_store
 from hybridkv.spec import GroupKind
-from hybridkv.tiers.disk import DiskConfig, DiskTier
-from hybridkv.tiers.tiered import TieredStore
+from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
+from hybridkv.tiers.tiered.store import TieredStore
 from tests.connector.helpers import (
     GatedTier,
     block_keys,

@@ -17,7 +17,7 @@ from hybridkv.connector import (
     StepInput,
 )
 from hybridkv.connector.rules import resume_tokens
-from hybridkv.hashing import KeyBuilder, KeyNamespace, RequestBlockHasher
+from hybridkv.keys import KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 

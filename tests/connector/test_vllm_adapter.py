@@ -25,15 +25,15 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
-from hybridkv.connector.vllm_metrics import (
-    CounterDeltas,
-    HybridKVPromMetrics,
-    HybridKVStats,
-)
-from hybridkv.connector.vllm_support import (
+from hybridkv.integrations.vllm.engine import (
     check_engine,
     layout_from_config,
     step_input,
+)
+from hybridkv.integrations.vllm.metrics import (
+    CounterDeltas,
+    HybridKVPromMetrics,
+    HybridKVStats,
 )
 from hybridkv.spec import GroupKind
 

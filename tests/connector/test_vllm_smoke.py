@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from hybridkv.models import TinyModelKind
+from hybridkv.tools.models import TinyModelKind
 
 pytestmark = pytest.mark.slow
 

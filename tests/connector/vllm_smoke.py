@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.models import TinyModelKind, build_tiny_model, default_prompt_token_ids
+from hybridkv.tools.models import TinyModelKind, build_tiny_model, default_prompt_token_ids
 
 PROMPT_TOKENS = 150
 MAX_TOKENS = 8

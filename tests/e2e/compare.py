@@ -4,7 +4,7 @@ vLLM on CPU is not batch invariant: the same request batched differently
 (which a connector's asynchronous loads always cause) gets slightly
 different bfloat16 logits, and a tiny random model's top tokens are close
 enough for that to flip a greedy choice. The rule is
-``hybridkv.models.greedy_mismatch`` (the demo uses it too): the chosen
+``hybridkv.tools.models.greedy_mismatch`` (the demo uses it too): the chosen
 tokens' log-probabilities stay within a tolerance, and the first differing
 token, if any, is a near-tie in both runs. A wrong KV block moves
 log-probabilities far more: ``test_vllm_models.py`` checks that a zeroed
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridkv.models import LOGPROB_TOLERANCE, greedy_mismatch
+from hybridkv.tools.models import LOGPROB_TOLERANCE, greedy_mismatch
 
 __all__ = ["LOGPROB_TOLERANCE", "output_problems", "request_problem"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from hybridkv.models import TinyModel, TinyModelKind, build_tiny_model
+from hybridkv.tools.models import TinyModel, TinyModelKind, build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLAN_TIMEOUT_S = 420

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridkv.tiers.segments import RecordInfo, SlotState, iter_records
+from hybridkv.tiers.disk.segments import RecordInfo, SlotState, iter_records
 
 
 def stored_objects(root: Path) -> list[RecordInfo]:

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from hybridkv.models import TinyModelKind, build_tiny_model
+from hybridkv.tools.models import TinyModelKind, build_tiny_model
 from tests.e2e import engine_tools
 from tests.e2e.corrupt import corrupt_files
 

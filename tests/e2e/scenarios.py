@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hybridkv.models import TinyModel, default_prompt_token_ids
+from hybridkv.tools.models import TinyModel, default_prompt_token_ids
 
 MAX_TOKENS = 16
 BASE_LENGTHS = (136, 200, 265, 330, 460)

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from hybridkv.models import TinyModel, TinyModelKind
 from hybridkv.spec import GroupKind
+from hybridkv.tools.models import TinyModel, TinyModelKind
 from tests.e2e.compare import LOGPROB_TOLERANCE, output_problems
 from tests.e2e.conftest import Harness, PlanRun
 from tests.e2e.scenarios import first_engine, full_hit_tokens, restart_plan

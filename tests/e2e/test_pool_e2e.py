@@ -26,8 +26,8 @@ import pytest
 
 os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
 
-from hybridkv.models import TinyModelKind
-from hybridkv.pool import LocalPool
+from hybridkv.tools.models import TinyModelKind
+from hybridkv.tools.pool import LocalPool
 from tests.e2e.conftest import Harness, PlanRun
 from tests.e2e.scenarios import (
     RESET,

@@ -6,7 +6,7 @@ end-to-end tests stand on.
 * zeroing any single group's cached blocks changes the tokens of most
   requests, so a test that compares outputs (``compare.py``: exactly for
   float32, within bfloat16 noise otherwise) catches a wrong load in any
-  group. For Qwen3-Next this holds only because ``hybridkv.models`` scales
+  group. For Qwen3-Next this holds only because ``hybridkv.tools.models`` scales
   the linear-attention and attention weights.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.models import TinyModelKind
+from hybridkv.tools.models import TinyModelKind
 from tests.e2e.compare import output_problems
 from tests.e2e.conftest import BASELINE_KINDS, Harness, PlanRun
 

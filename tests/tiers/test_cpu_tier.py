@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
-from hybridkv.tiers.cpu import ALIGN_BYTES, CpuConfig, CpuTier, ExtentAllocator
+from hybridkv.tiers.cpu import CpuConfig, CpuTier
+from hybridkv.tiers.memory import ALIGN_BYTES, ExtentAllocator
 
 
 def key(i: int | str) -> StoreKey:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hybridkv.tiers.disk_table import FileWork, Reservation, SegmentTable, runs, split
-from hybridkv.tiers.segments import PAGE, Geometry
+from hybridkv.tiers.disk.segments import PAGE, Geometry
+from hybridkv.tiers.disk.table import FileWork, Reservation, SegmentTable, runs, split
 
 SEGMENT = Geometry.standard(2 * PAGE + 2 * 8192)  # two 8 KiB objects per segment
 

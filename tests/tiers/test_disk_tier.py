@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridkv.tiers import segments
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import key_digest
-from hybridkv.tiers.disk import DiskConfig, DiskTier, DiskTierInUse, FsyncPolicy
-from hybridkv.tiers.segments import PAGE, SLOT_BYTES, Geometry, RecordInfo, SlotState
+from hybridkv.tiers.disk import segments
+from hybridkv.tiers.disk.segments import PAGE, SLOT_BYTES, Geometry, RecordInfo, SlotState
+from hybridkv.tiers.disk.tier import DiskConfig, DiskTier, DiskTierInUse, FsyncPolicy
 from tests.e2e.corrupt import flip_payload_byte
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -317,7 +317,7 @@ WRITER = """
 import sys, zlib
 import numpy as np
 from hybridkv.tiers.base import StoreKey
-from hybridkv.tiers.disk import DiskConfig, DiskTier
+from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
 tier = DiskTier(
     DiskConfig(path=sys.argv[1], capacity_bytes=1 << 40, segment_bytes=64 << 20, num_io_threads=1)
 )
@@ -465,7 +465,7 @@ FILE_SIZE_LIMIT = """
 import resource, signal, sys
 import numpy as np
 from hybridkv.tiers.base import StoreKey
-from hybridkv.tiers.disk import DiskConfig, DiskTier
+from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 tier = DiskTier(DiskConfig(path=sys.argv[1], capacity_bytes=64 << 20, segment_bytes=512 << 10))

@@ -15,14 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridkv.pool import LocalPool, ServerRole
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import pack_header
-from hybridkv.tiers.mooncake import MooncakeTier
-from hybridkv.tiers.mooncake_config import MooncakeConfig
-from hybridkv.tiers.mooncake_rounds import plan_rounds, share_work
+from hybridkv.tiers.health import HealthGate
+from hybridkv.tiers.mooncake.config import MooncakeConfig
+from hybridkv.tiers.mooncake.rounds import plan_rounds, share_work
+from hybridkv.tiers.mooncake.tier import MooncakeTier
 from hybridkv.tiers.registry import parse_tier_config
-from hybridkv.tiers.remote import HealthGate
+from hybridkv.tools.pool import LocalPool
+from hybridkv.tools.servers import ServerRole
 from tests.servers import MIB, MooncakePool, timed, wait_for
 from tests.tiers.contract import (
     bad_values,

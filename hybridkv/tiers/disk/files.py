@@ -2,7 +2,7 @@
 positional I/O, preallocation, the one-writer lock and the quarantine.
 
 Any process; no state beyond open descriptors. Kept apart from
-``hybridkv.tiers.disk`` so the tier reads as bookkeeping plus calls here.
+``hybridkv.tiers.disk.tier`` so the tier reads as bookkeeping plus calls here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hybridkv.tiers.remote import LogOnce
+from hybridkv.tiers.log_once import LogOnce
 
 logger = logging.getLogger(__name__)
 

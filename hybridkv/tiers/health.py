@@ -1,4 +1,4 @@
-"""Helpers shared by the remote tiers (Mooncake, Valkey): health gating and quiet logs.
+"""Health of remote tiers (Mooncake, Valkey): gate calls while a server is unreachable.
 
 Runs wherever a remote tier runs (worker and scheduler processes). A remote
 server that dies or hangs must cost one bounded wait, then answer misses at
@@ -14,18 +14,6 @@ import time
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
-
-
-class LogOnce:
-    """Logs each distinct problem of one tier once; repeats go to debug."""
-
-    def __init__(self, log: logging.Logger, name: str) -> None:
-        self._log, self._name, self._seen = log, name, set[str]()
-
-    def warning(self, problem: str, message: str, *args: object) -> None:
-        level = logging.DEBUG if problem in self._seen else logging.WARNING
-        self._seen.add(problem)
-        self._log.log(level, "tier %s: " + message, self._name, *args)
 
 
 class HealthGate:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from hybridkv.tiers.segments import Geometry, SegmentHeader, align_up, segment_name
+from hybridkv.tiers.disk.segments import Geometry, SegmentHeader, align_up, segment_name
 
 MIN_PART_BYTES = 1 << 20
 """Runs of a batch are split across I/O threads in parts of at least this size."""

@@ -7,11 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
+from hybridkv.tiers.health import check_address
 from hybridkv.tiers.registry import ConfigReader, value_problems
-from hybridkv.tiers.remote import check_address
 
 if TYPE_CHECKING:
-    from hybridkv.tiers.mooncake import MooncakeTier
+    from hybridkv.tiers.mooncake.tier import MooncakeTier
 
 
 class Protocol(enum.Enum):
@@ -96,6 +96,6 @@ class MooncakeConfig:
         )
 
     def build(self) -> MooncakeTier:
-        from hybridkv.tiers.mooncake import MooncakeTier
+        from hybridkv.tiers.mooncake.tier import MooncakeTier
 
         return MooncakeTier(self)

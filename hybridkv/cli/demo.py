@@ -24,14 +24,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.models import (
+from hybridkv.spec import KVGroup
+from hybridkv.tools.models import (
     TinyModel,
     TinyModelKind,
     build_tiny_model,
     default_prompt_token_ids,
     greedy_mismatch,
 )
-from hybridkv.spec import KVGroup
 
 DEFAULT_CACHE_DIR = Path(".hybridkv-cache")
 ENGINE_LOG = "demo-engine.log"

@@ -1,37 +1,11 @@
-"""Canonical KV caches: one byte-level view of whatever KV tensors an engine has.
+"""Canonical KV caches: the engine's per-layer KV tensors as int8 block tensors.
 
-Runs in the worker process (the one that owns the KV tensors).
-
-A group's block object is its layers' pages concatenated in layer order
-(``KVGroup.block_bytes`` bytes), the same bytes whatever the storage layout,
-so what one layout stores another can load (when ``page_formats`` agree).
-
-API
----
-``canonicalize(kv_caches: Mapping[str, torch.Tensor], layout: KVLayoutSpec)
--> CanonicalKVCaches``: per-layer tensors as an engine registers them (any
-dtype and strides, block dim physically outermost; layers of different groups
-may share storage, as vLLM's hybrid allocator does; vLLM's kernel-block
-splitting and padded Mamba pages are understood). ValueError names every
-problem (missing or unknown layer, shape, stride, expected page size).
-
-``CanonicalKVCaches`` (frozen): ``layout``, ``num_blocks``, ``tensors:
-tuple[torch.Tensor, ...]`` (int8 ``(num_blocks, row_bytes)`` views, one per
-distinct storage/stride/row), ``group_refs: tuple[tuple[PageRef, ...], ...]``
-(per group, one ``PageRef(tensor_idx, offset_bytes, page_bytes)`` per layer),
-``page_formats: tuple[str, ...]``, ``block_major: tuple[bool, ...]``,
-``kind: KVLayoutKind``, ``device``, ``describe() -> str`` and
-``group_block_spans(group_id: int) -> tuple[BlockSpan, ...]``: one
-``BlockSpan(tensor_idx, offset_bytes, num_bytes, object_offset_bytes)`` for a
-block-major group (one copy moves a block of all its layers), else one per layer.
-
-``allocate_kv_caches(layout: KVLayoutSpec, num_blocks: int, *, kind:
-KVLayoutKind = KVLayoutKind.BLOCK_MAJOR, shapes: Mapping[str, tuple[Sequence[int],
-torch.dtype]] | None = None, device: torch.device | str = "cpu") ->
-AllocatedKVCaches(kind, kv_caches, canonical, buffer)``: one zeroed buffer,
-per-layer views ``(num_blocks, *shape)`` (default int8 ``(page_size_bytes,)``)
-and their canonical description. Block ids come from one pool: groups share
-storage and a block belongs to whichever group allocated it.
+Worker process (the one that owns the KV tensors). A group's block object is
+its layers' pages concatenated in layer order (``KVGroup.block_bytes``
+bytes), the same bytes whatever the storage layout, so what one layout stores
+another can load when their ``page_formats`` agree. ``canonicalize``
+understands layers of several groups sharing storage (vLLM's hybrid
+allocator), vLLM's kernel-block splitting and padded Mamba pages.
 """
 
 from __future__ import annotations
@@ -45,18 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from hybridkv.spec import KVGroup, KVLayoutSpec
 
 logger = logging.getLogger(__name__)
-
-ROW_ALIGN_BYTES = 16
-"""Allocated rows are padded to this (the largest element size) so any dtype views them."""
-
-LayerShapes = Mapping[str, tuple[Sequence[int], torch.dtype]]
-"""Layer name -> (per-block shape without the leading num_blocks dim, dtype)."""
 
 
 class KVLayoutKind(enum.Enum):
@@ -128,17 +95,6 @@ class CanonicalKVCaches:
             f"{len(self.tensors)} block tensors of {self.num_blocks} blocks (row/stride: {rows}); "
             f"block-major per group: {list(self.block_major)}"
         )
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class AllocatedKVCaches:
-    kind: KVLayoutKind
-    """The storage layout actually used."""
-    kv_caches: dict[str, torch.Tensor]
-    """Engine-facing per-layer views, ``(num_blocks, *shape)``."""
-    canonical: CanonicalKVCaches
-    buffer: torch.Tensor
-    """The one int8 backing allocation."""
 
 
 class _LayerPlace(NamedTuple):
@@ -374,133 +330,3 @@ def _canonical_problems(c: CanonicalKVCaches) -> list[str]:
             if not ok or ref.offset_bytes + ref.page_bytes > c.tensors[ref.tensor_idx].shape[1]:
                 problems.append(f"group {group_id}: {ref} does not fit its block tensor")
     return problems
-
-
-def allocate_kv_caches(
-    layout: KVLayoutSpec,
-    num_blocks: int,
-    *,
-    kind: KVLayoutKind = KVLayoutKind.BLOCK_MAJOR,
-    shapes: LayerShapes | None = None,
-    device: torch.device | str = "cpu",
-) -> AllocatedKVCaches:
-    """Allocate KV caches in one zeroed buffer; block ids come from one pool.
-
-    BLOCK_MAJOR: block ``b`` is one row; each group lays its layers' pages out
-    from the row's first byte (groups overlay: a block has one owner), so a
-    group's block is one span. With uniform pages and layer counts this is
-    "layer slot i is shared by layer i of every group"; otherwise rows are as
-    long as the largest group block and the unused tail is logged.
-    LAYER_MAJOR: layer slot ``i`` (shared by layer ``i`` of every group) owns
-    ``num_blocks`` rows of its largest page.
-    ``shapes`` gives each layer's per-block shape and dtype (default int8
-    ``(page_size_bytes,)``); a view is ``(num_blocks, *shape)``.
-    """
-    page_shapes = _check_allocate_args(layout, num_blocks, kind, shapes)
-    groups = layout.groups
-    placement: dict[str, tuple[int, int]] = {}  # layer -> (offset of block 0, block stride)
-    if kind is KVLayoutKind.BLOCK_MAJOR:
-        row = _round_up(max(g.block_bytes for g in groups), ROW_ALIGN_BYTES)
-        for g in groups:
-            for i, name in enumerate(g.layer_names):
-                placement[name] = (i * g.page_size_bytes, row)
-        total = row * num_blocks
-        largest = max(g.block_bytes for g in groups)
-        unused = {
-            gid: largest - g.block_bytes for gid, g in enumerate(groups) if g.block_bytes < largest
-        }
-        if unused:
-            logger.warning(
-                "block-major KV rows hold the largest group block (%d bytes); group block bytes "
-                "differ (%s), so a block owned by group(s) %s leaves %s bytes unused",
-                largest,
-                [g.block_bytes for g in groups],
-                list(unused),
-                list(unused.values()),
-            )
-    else:
-        total = 0
-        for slot in range(max(g.num_layers for g in groups)):
-            slot_groups = [g for g in groups if g.num_layers > slot]
-            row = _round_up(max(g.page_size_bytes for g in slot_groups), ROW_ALIGN_BYTES)
-            for g in slot_groups:
-                placement[g.layer_names[slot]] = (total, row)
-            total += row * num_blocks
-    buffer = _zeros(total, torch.device(device))
-    kv_caches = {
-        name: _layer_view(buffer, offset, stride, num_blocks, *page_shapes[name])
-        for name, (offset, stride) in placement.items()
-    }
-    canonical = canonicalize(kv_caches, layout)
-    assert kind is KVLayoutKind.LAYER_MAJOR or all(canonical.block_major), canonical.describe()
-    return AllocatedKVCaches(kind=kind, kv_caches=kv_caches, canonical=canonical, buffer=buffer)
-
-
-def _check_allocate_args(
-    layout: KVLayoutSpec, num_blocks: int, kind: KVLayoutKind, shapes: LayerShapes | None
-) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    problems: list[str] = []
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-        problems.append(f"num_blocks={num_blocks!r} must be an int > 0")
-    if not isinstance(kind, KVLayoutKind):
-        problems.append(f"kind={kind!r} must be one of {[k.name for k in KVLayoutKind]}")
-    given = dict(shapes or {})
-    known = {name for g in layout.groups for name in g.layer_names}
-    unknown = sorted(set(given) - known)
-    if unknown:
-        problems.append(f"shapes names layers {unknown} that are in no group of the layout")
-    result: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for group_id, g in enumerate(layout.groups):
-        for name in g.layer_names:
-            shape, dtype = given.get(name, ((g.page_size_bytes,), torch.int8))
-            shape = tuple(shape)
-            if not isinstance(dtype, torch.dtype) or not all(
-                isinstance(d, int) and d > 0 for d in shape
-            ):
-                problems.append(
-                    f"shapes[{name!r}]=({shape}, {dtype!r}) must be (positive int dims, "
-                    "torch.dtype)"
-                )
-                continue
-            nbytes = math.prod(shape) * dtype.itemsize
-            if nbytes != g.page_size_bytes:
-                problems.append(
-                    f"shapes[{name!r}]: {shape} x {dtype} is {nbytes} bytes per block but group "
-                    f"{group_id} has page_size_bytes={g.page_size_bytes}; give the per-block "
-                    "shape without the leading num_blocks dim"
-                )
-            result[name] = (shape, dtype)
-    if problems:
-        raise ValueError("allocate_kv_caches: " + "; ".join(problems))
-    return result
-
-
-def _layer_view(
-    buffer: torch.Tensor,
-    offset_bytes: int,
-    stride_bytes: int,
-    num_blocks: int,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    item = dtype.itemsize
-    inner = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        inner[i] = inner[i + 1] * shape[i + 1]
-    typed = buffer.view(dtype)
-    return typed.as_strided(
-        (num_blocks, *shape), (stride_bytes // item, *inner), offset_bytes // item
-    )
-
-
-def _zeros(num_bytes: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int8 memory for the caches. On CPU it comes from numpy, whose allocator
-    asks the kernel for transparent huge pages on big buffers (torch's does not):
-    copies of blocks scattered over the cache then miss the TLB far less."""
-    if device.type != "cpu":
-        return torch.zeros(num_bytes, dtype=torch.int8, device=device)
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.int8))
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple

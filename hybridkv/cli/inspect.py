@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hybridkv.planner import ChunkPlan
-from hybridkv.presets import PRESETS, load_layout
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.spec.presets import PRESETS, load_layout
 
 DEFAULT_HIT_TOKENS = 32768
 

@@ -1,6 +1,6 @@
 """Configuration of the disk tier (``kind: disk``).
 
-Any process; no I/O. The tier itself is ``hybridkv.tiers.disk``.
+Any process; no I/O. The tier itself is ``hybridkv.tiers.disk.tier``.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
+from hybridkv.tiers.disk.segments import PAGE
 from hybridkv.tiers.registry import ConfigReader, value_problems
-from hybridkv.tiers.segments import PAGE
 
 if TYPE_CHECKING:
-    from hybridkv.tiers.disk import DiskTier
+    from hybridkv.tiers.disk.tier import DiskTier
 
 MIN_BYTES = 3 * PAGE
 """A segment header, a slot table page and one data page."""
@@ -57,7 +57,7 @@ class DiskConfig:
     """Bytes of all segment files (quarantine excluded)."""
     fsync: FsyncPolicy = FsyncPolicy.NEVER
     load_weight: float = 4.0
-    """Relative loading cost; lower is cheaper (see ``hybridkv.tiers.tiered``)."""
+    """Relative loading cost; lower is cheaper (see ``hybridkv.tiers.tiered.store``)."""
     num_io_threads: int = 4
     """Parts of one batch written/read in parallel (1: in the caller's thread)."""
     segment_bytes: int | None = None
@@ -113,6 +113,6 @@ class DiskConfig:
         )
 
     def build(self) -> DiskTier:
-        from hybridkv.tiers.disk import DiskTier
+        from hybridkv.tiers.disk.tier import DiskTier
 
         return DiskTier(self)

@@ -1,41 +1,20 @@
 """A store over several tiers: union lookup, cheapest reads, promotion, write-back.
 
-Runs in the worker process; the lookups (``contains_many*``, ``choose_tier``)
-also serve the scheduler's hit search.
-
-Weights. A tier's ``load_weight`` is its relative cost of loading a block:
-lower is cheaper (defaults: CPU 1.0, disk 4.0).
-
-* ``Selection.PER_BLOCK``: every block is read from the cheapest tier that
-  holds it (tiers are tried in increasing ``load_weight``, ties by position).
-* ``Selection.WHOLE_REQUEST``: one tier serves the whole request, the one with
-  the most ``hit_tokens / load_weight`` (hit tokens per unit of loading cost;
-  ties go to the earlier tier). This is vLLM MultiConnector's
-  ``hit_tokens x weight`` rule with its preference weight = 1 / load_weight,
-  so with equal hits both modes prefer the same (cheapest) tier. The store
-  only records the mode (``selection``); the connector runs its hit search
-  once per tier (``contains_many(keys, tier_index=i)``), asks
-  ``choose_tier(hit_tokens_per_tier)`` and loads with
-  ``get_many_into(..., tier_index=winner)``. Without ``tier_index`` every
-  call is per block over the union.
-
-Stores go to the first tier synchronously and reach the lower tiers through a
-background write-back thread that copies the bytes into its own staging arena
-first (callers reuse their buffers). A tier that raises never breaks the
-store: the error is logged once, counted, and answered as a miss.
+Runs in the worker process; its lookups also serve the scheduler's hit search
+when both share a process. Reads go to the cheapest tier holding each block
+(``Selection.PER_BLOCK``) or to one chosen tier (``tier_index``, for
+``Selection.WHOLE_REQUEST``; see ``tiers.selection``). Stores go to the first
+tier synchronously and reach the others through the write-back queue. A tier
+that raises never breaks the store: the error is logged once, counted, and
+answered as a miss.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
-
-import numpy as np
 
 from hybridkv.tiers.base import (
     Buffer,
@@ -47,156 +26,16 @@ from hybridkv.tiers.base import (
     TierUsage,
     check_batch,
 )
-from hybridkv.tiers.cpu import CpuTier, ExtentAllocator, allocate_arena
+from hybridkv.tiers.cpu import CpuTier
+from hybridkv.tiers.selection import Selection, pick_whole_request_tier
+from hybridkv.tiers.tiered.write_back import WriteBack, WriteBackStats
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_WRITE_BACK_BATCH_KEYS = 64
 _GET_SEVERITY = {GetStatus.MISS: 0, GetStatus.ERROR: 1, GetStatus.CORRUPT: 2}
 _PUT_RANK = {PutStatus.OK: 0, PutStatus.EXISTS: 1, PutStatus.FULL: 2, PutStatus.ERROR: 3}
-
-
-class Selection(enum.Enum):
-    PER_BLOCK = "per_block"
-    WHOLE_REQUEST = "whole_request"
-
-
-def pick_whole_request_tier(
-    hit_tokens_per_tier: Sequence[int], load_weights: Sequence[float]
-) -> int | None:
-    """Index of the tier with the most ``hit_tokens / load_weight``; None if no tier hits."""
-    if len(hit_tokens_per_tier) != len(load_weights):
-        raise ValueError(
-            f"{len(hit_tokens_per_tier)} hit counts but {len(load_weights)} weights; "
-            "give one of each per tier"
-        )
-    best: int | None = None
-    best_score = 0.0
-    for index, (hit_tokens, weight) in enumerate(
-        zip(hit_tokens_per_tier, load_weights, strict=True)
-    ):
-        if weight <= 0:
-            raise ValueError(f"load_weights[{index}]={weight}: must be > 0")
-        if hit_tokens > 0 and (best is None or hit_tokens / weight > best_score):
-            best, best_score = index, hit_tokens / weight
-    return best
-
-
-@dataclass(kw_only=True)
-class WriteBackStats:
-    num_queued: int = 0
-    num_written: int = 0
-    """Keys whose write-back finished (each lower tier answered)."""
-    num_skipped: int = 0
-    """Keys not queued: the staging arena was full (or closed)."""
-    num_failed: int = 0
-    """(key, tier) writes that answered ERROR or raised."""
-
-
-class _WriteBack:
-    """Staged copies of stored blocks, written to the lower tiers by one thread."""
-
-    def __init__(
-        self, write: Callable[[list[StoreKey], list[Buffer]], int], capacity_bytes: int
-    ) -> None:
-        self._write = write
-        """Puts a batch into the lower tiers; returns the number of failed (key, tier) writes."""
-        self._arena, self._arena_owner = allocate_arena(capacity_bytes, pin_memory=False)
-        self._allocator = ExtentAllocator(capacity_bytes)
-        self._queued: OrderedDict[StoreKey, tuple[int, int]] = OrderedDict()
-        self._in_flight: dict[StoreKey, tuple[int, int]] = {}
-        self._cond = threading.Condition()
-        self._closed = False
-        self.stats = WriteBackStats()
-        self._thread = threading.Thread(target=self._run, name="hybridkv-write-back", daemon=True)
-        self._thread.start()
-
-    def submit_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[bool]:
-        """Copy and queue each block; False where it was skipped (no room)."""
-        return [self._submit(key, buf) for key, buf in zip(keys, buffers, strict=True)]
-
-    def _submit(self, key: StoreKey, buf: Buffer) -> bool:
-        with self._cond:  # copying under the lock keeps cancel() exact; it takes microseconds
-            if key in self._queued or key in self._in_flight:
-                return True
-            offset = None if self._closed else self._allocator.allocate(len(buf))
-            if offset is None:
-                self.stats.num_skipped += 1
-                return False
-            np.copyto(self._arena[offset : offset + len(buf)], buf)
-            self._queued[key] = (offset, len(buf))
-            self.stats.num_queued += 1
-            self._cond.notify_all()
-        return True
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._queued) or self._closed)
-                if not self._queued:
-                    return
-                while self._queued and len(self._in_flight) < _WRITE_BACK_BATCH_KEYS:
-                    key, extent = self._queued.popitem(last=False)
-                    self._in_flight[key] = extent
-                batch = list(self._in_flight.items())
-            keys = [key for key, _ in batch]
-            views = [self._arena[offset : offset + size] for _, (offset, size) in batch]
-            try:
-                num_failed = self._write(keys, views)
-            except Exception:  # a bug must not kill the thread and hang flush()
-                logger.exception("write-back of %d blocks failed", len(keys))
-                num_failed = len(keys)
-            with self._cond:
-                for offset, _ in self._in_flight.values():
-                    self._allocator.free(offset)
-                self._in_flight.clear()
-                self.stats.num_written += len(batch)
-                self.stats.num_failed += num_failed
-                self._cond.notify_all()
-
-    def cancel(self, keys: Sequence[StoreKey]) -> None:
-        """Drop queued writes of ``keys`` and wait for an in-flight batch holding any."""
-        with self._cond:
-            for key in keys:
-                extent = self._queued.pop(key, None)
-                if extent is not None:
-                    self._allocator.free(extent[0])
-            wanted = set(keys)
-            self._cond.wait_for(lambda: not wanted & self._in_flight.keys())
-
-    def flush(self, timeout_s: float | None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: not self._queued and not self._in_flight, timeout=timeout_s
-            )
-
-    def close(self, timeout_s: float) -> None:
-        finished = self.flush(timeout_s)
-        with self._cond:
-            self._closed = True
-            for offset, _ in self._queued.values():
-                self._allocator.free(offset)
-            self.stats.num_skipped += len(self._queued)
-            self._queued.clear()
-            self._cond.notify_all()
-        if finished:
-            self._thread.join(timeout_s)
-
-    def snapshot(self) -> WriteBackStats:
-        with self._cond:
-            return WriteBackStats(**vars(self.stats))
-
-    def check_integrity(self) -> None:
-        with self._cond:
-            self._allocator.check_integrity()
-            extents = {offset: size for offset, size in self._queued.values()}
-            extents.update(self._in_flight.values())
-            allocated = self._allocator.allocated()
-            assert allocated.keys() == extents.keys(), "staging extents leaked"
-            assert all(self._allocator.rounded(extents[o]) == s for o, s in allocated.items())
-            assert not self._queued.keys() & self._in_flight.keys()
 
 
 def _unique_names(tiers: Sequence[Tier]) -> tuple[str, ...]:
@@ -244,7 +83,7 @@ class TieredStore(Tier):
         self._errors = [0] * len(tiers)
         self._lock = threading.Lock()
         self._write_back = (
-            _WriteBack(self._write_lower, write_back_bytes)
+            WriteBack(self._write_lower, write_back_bytes)
             if write_back and len(tiers) > 1
             else None
         )

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Self
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,223 +35,13 @@ from hybridkv.tiers.base import (
     check_batch,
 )
 from hybridkv.tiers.codec import HEADER_BYTES, pack_header, verify_object
-from hybridkv.tiers.cpu import allocate_arena
-from hybridkv.tiers.registry import ConfigReader, value_problems
-from hybridkv.tiers.remote import HealthGate, LogOnce
+from hybridkv.tiers.health import HealthGate
+from hybridkv.tiers.log_once import LogOnce
+from hybridkv.tiers.memory import allocate_arena
+from hybridkv.tiers.valkey.config import TLS_FILES, ValkeyConfig
+from hybridkv.tiers.valkey.protocol import Bulk, ErrorReply, ObjectPacker, ReplyReader, SplitValue
 
 logger = logging.getLogger(__name__)
-
-_VALKEY_KEYS = {
-    "host": 'server address (default "127.0.0.1")',
-    "port": "server port, 1..65535 (default 6379)",
-    "db": "database number, >= 0 (default 0)",
-    "username": "ACL user name (default none)",
-    "password": "password (default none)",
-    "ssl": "connect with TLS, true or false (default false)",
-    "ssl_ca_certs": "CA bundle file for TLS (default: the system's)",
-    "ssl_certfile": "client certificate file for TLS (default none)",
-    "ssl_keyfile": "client key file for TLS (default none)",
-    "load_weight": "relative cost of loading from this tier, > 0 (default 10.0)",
-    "op_timeout_s": "socket timeout of every call, > 0 (default 2.0)",
-    "retry_interval_s": "seconds between probes of an unreachable server (default 1.0)",
-}
-_TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ValkeyConfig:
-    host: str = "127.0.0.1"
-    port: int = 6379
-    db: int = 0
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    ssl: bool = False
-    ssl_ca_certs: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    load_weight: float = 10.0
-    op_timeout_s: float = 2.0
-    retry_interval_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        problems = value_problems(capacity_bytes=1, minimum=1, load_weight=self.load_weight)
-        problems += _int_problems("port", self.port, 1, 65535)
-        problems += _int_problems("db", self.db, 0, 1 << 31)
-        for key in ("op_timeout_s", "retry_interval_s"):
-            if not getattr(self, key) > 0:
-                problems.append(f"{key}={getattr(self, key)!r}: must be > 0")
-        if not self.ssl and any(getattr(self, key) for key in _TLS_FILES):
-            problems.append("ssl_* files given while ssl is false: set ssl to true")
-        if problems:
-            raise ValueError("invalid ValkeyConfig: " + "; ".join(problems))
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], *, where: str) -> Self:
-        reader = ConfigReader(raw, where=where, allowed=_VALKEY_KEYS)
-        ints = {key: raw.get(key, default) for key, default in (("port", 6379), ("db", 0))}
-        reader.problems += _int_problems("port", ints["port"], 1, 65535)
-        reader.problems += _int_problems("db", ints["db"], 0, 1 << 31)
-        texts: dict[str, str | None] = {}
-        for key in ("username", "password", *_TLS_FILES):
-            value = raw.get(key)
-            if value is not None and (not isinstance(value, str) or not value):
-                reader.problems.append(
-                    f"{key}=<{type(value).__name__}>: must be a non-empty string"
-                )
-            texts[key] = value if isinstance(value, str) and value else None
-        ssl = raw.get("ssl", False)
-        if not isinstance(ssl, bool):
-            reader.problems.append(f"ssl={ssl!r}: must be true or false")
-        elif not ssl and any(texts[key] for key in _TLS_FILES):
-            reader.problems.append("ssl_* files given while ssl is false: set ssl to true")
-        host = reader.text("host", default="127.0.0.1")
-        load_weight = reader.positive_float("load_weight", default=10.0)
-        op_timeout_s = reader.positive_float("op_timeout_s", default=2.0)
-        retry_interval_s = reader.positive_float("retry_interval_s", default=1.0)
-        reader.finish()
-        return cls(
-            host=host,
-            port=int(ints["port"]),
-            db=int(ints["db"]),
-            username=texts["username"],
-            password=texts["password"],
-            ssl=bool(ssl),
-            ssl_ca_certs=texts["ssl_ca_certs"],
-            ssl_certfile=texts["ssl_certfile"],
-            ssl_keyfile=texts["ssl_keyfile"],
-            load_weight=load_weight,
-            op_timeout_s=op_timeout_s,
-            retry_interval_s=retry_interval_s,
-        )
-
-    def build(self) -> ValkeyTier:
-        return ValkeyTier(self)
-
-
-def _int_problems(key: str, value: object, low: int, high: int) -> list[str]:
-    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
-        return []
-    return [f"{key}={value!r}: must be an integer in {low}..{high}"]
-
-
-class _Object(NamedTuple):
-    """A value sent as two pieces: the codec header, then the caller's payload."""
-
-    header: bytes
-    payload: memoryview
-
-
-class ObjectPacker:
-    """RESP command packer that sends ``_Object`` values without joining them.
-
-    Other arguments are encoded like redis-py does (str as UTF-8, ints as text).
-    """
-
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
-        if isinstance(args[0], str) and " " in args[0]:  # "CLIENT SETINFO" and the like
-            args = (*args[0].split(), *args[1:])
-        pieces: list[bytes | memoryview] = []
-        head = b"*%d\r\n" % len(args)
-        for arg in args:
-            if isinstance(arg, _Object):
-                size = len(arg.header) + arg.payload.nbytes
-                pieces += [head + b"$%d\r\n" % size + arg.header, arg.payload]
-                head = b"\r\n"
-                continue
-            data = arg if isinstance(arg, bytes) else str(arg).encode()
-            head += b"$%d\r\n%b\r\n" % (len(data), data)
-        pieces.append(head)
-        return pieces
-
-
-class ErrorReply(NamedTuple):
-    """An error reply (``-OOM ...``, ``-WRONGTYPE ...``): an answer, not a broken link."""
-
-    message: str
-
-
-class Bulk(NamedTuple):
-    """A bulk reply read into a caller's buffer: its length (the buffer holds it only
-    when the length is exactly the buffer's)."""
-
-    num_bytes: int
-
-
-class ReplyReader:
-    """RESP2 replies read straight off a connected socket.
-
-    Bulk strings can land in a caller's buffer with ``recv_into`` (one kernel
-    copy, no bytes objects on the way); everything else is small.
-    """
-
-    def __init__(self, sock: Any, *, read_bytes: int = 1 << 16) -> None:
-        self._sock = sock
-        self._read_bytes = read_bytes
-        self._pending = bytearray()
-
-    @property
-    def num_pending_bytes(self) -> int:
-        """Bytes received but not yet part of a reply."""
-        return len(self._pending)
-
-    def read(self, into: Buffer | None = None) -> Any:
-        """The next reply: int, bytes (simple or bulk string), None (nil), ``ErrorReply``,
-        or with ``into`` a ``Bulk`` whose bytes are in ``into`` if they fit it exactly."""
-        line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"$":
-            size = int(rest)
-            if size < 0:
-                return None
-            if into is None:
-                return bytes(self._exactly(memoryview(bytearray(size + 2)))[:size])
-            if size == len(into):
-                self._exactly(into.data.cast("B"))
-                self._exactly(memoryview(bytearray(2)))
-            else:
-                self._skip(size + 2)
-            return Bulk(size)
-        if kind == b"_":  # RESP3's nil, should a server answer with it
-            return None
-        if kind == b":":
-            return int(rest)
-        if kind == b"+":
-            return bytes(rest)
-        if kind == b"-":
-            return ErrorReply(rest.decode(errors="replace"))
-        raise ConnectionError(f"unexpected reply {line[:40]!r}")
-
-    def _line(self) -> bytes:
-        while (end := self._pending.find(b"\r\n")) < 0:
-            self._fill()
-        line = bytes(self._pending[:end])
-        del self._pending[: end + 2]
-        return line
-
-    def _exactly(self, out: memoryview) -> memoryview:
-        taken = min(len(self._pending), len(out))
-        out[:taken] = self._pending[:taken]
-        del self._pending[:taken]
-        while taken < len(out):
-            received = self._sock.recv_into(out[taken:])
-            if received == 0:
-                raise ConnectionError("connection closed mid-reply")
-            taken += received
-        return out
-
-    def _skip(self, num_bytes: int) -> None:
-        while num_bytes > 0:
-            if not self._pending:
-                self._fill()
-            taken = min(len(self._pending), num_bytes)
-            del self._pending[:taken]
-            num_bytes -= taken
-
-    def _fill(self) -> None:
-        chunk = self._sock.recv(self._read_bytes)
-        if not chunk:
-            raise ConnectionError("connection closed mid-reply")
-        self._pending += chunk
 
 
 class ValkeyTier(Tier):
@@ -275,7 +64,7 @@ class ValkeyTier(Tier):
         self.name = name
         self.load_weight = config.load_weight
         self.config = config
-        options: dict[str, Any] = {"ssl_" + key[4:]: getattr(config, key) for key in _TLS_FILES}
+        options: dict[str, Any] = {"ssl_" + key[4:]: getattr(config, key) for key in TLS_FILES}
         self._pool = redis.ConnectionPool(
             connection_class=redis.SSLConnection if config.ssl else redis.Connection,
             host=config.host,
@@ -325,7 +114,7 @@ class ValkeyTier(Tier):
             statuses[i] = self._put_status(replies.read(), len(buffers[i]))
 
         commands = [
-            ("SET", key, _Object(pack_header(key, buf), buf.data), "NX")
+            ("SET", key, SplitValue(pack_header(key, buf), buf.data), "NX")
             for key, buf in zip(keys, buffers, strict=True)
         ]
         self._exchange("store", commands, read)

@@ -14,9 +14,12 @@ import sys
 from collections.abc import Sequence
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "inspect": ("hybridkv.inspect", "show a model's KV groups and what a hybrid-aware load moves"),
-    "demo": ("hybridkv.demo", "run a tiny hybrid model cold, warm and after a restart"),
-    "pool": ("hybridkv.pool", "start or stop a local Mooncake pool on loopback"),
+    "inspect": (
+        "hybridkv.cli.inspect",
+        "show a model's KV groups and what a hybrid-aware load moves",
+    ),
+    "demo": ("hybridkv.cli.demo", "run a tiny hybrid model cold, warm and after a restart"),
+    "pool": ("hybridkv.cli.pool", "start or stop a local Mooncake pool on loopback"),
 }
 
 

@@ -1,0 +1,1 @@
+"""Adapters that plug the engine-neutral connector into serving engines."""

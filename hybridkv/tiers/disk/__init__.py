@@ -1,0 +1,1 @@
+"""The disk tier: objects in preallocated segment files on a local file system."""

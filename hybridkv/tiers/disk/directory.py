@@ -1,0 +1,392 @@
+"""The disk tier's directory: its segment files, start-up scan, following the writer.
+
+Runs wherever a ``DiskTier`` runs; ``DiskTier`` calls it under its lock
+(``open`` and ``write`` run outside it, on segments reserved for the caller).
+
+A put's segment file is prepared here (a new preallocated file, or an evicted
+one taken over), payloads and then slots are written (a killed writer leaves
+invisible payloads, never a wrong object), and a segment no longer appended
+to is sealed. On start the index is rebuilt from the slot tables, LRU order
+from the segments' mtimes (every hit touches its segment); damaged slots and
+files are counted, copied or moved to ``quarantine/`` and never served.
+
+One process writes a directory: it holds ``writer.lock`` (``flock``) for its
+lifetime. Read-only instances never write; they rescan the directory when
+asked for a key they do not know, and at least every second, so they see
+what the writer stores and forget what it evicts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from hybridkv.tiers.base import Buffer, StoreKey, TierStats
+from hybridkv.tiers.disk import segments
+from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
+from hybridkv.tiers.disk.files import (
+    MAX_QUARANTINE_COPY,
+    TEMP_PREFIX,
+    Quarantine,
+    make_private_dir,
+    prepare_file,
+    take_writer_lock,
+    unlink,
+)
+from hybridkv.tiers.disk.segments import SLOT_BYTES, SlotState, slot_offset
+from hybridkv.tiers.disk.table import Entry, Reservation, Segment, SegmentTable
+from hybridkv.tiers.log_once import LogOnce
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = "writer.lock"
+QUARANTINE_NAME = "quarantine"
+REFRESH_EVERY_S = 1.0
+
+
+class ScanReport(NamedTuple):
+    """What the start-up scan found."""
+
+    num_objects: int
+    num_bytes: int
+    """Bytes of the segment files indexed."""
+    num_segments: int
+    num_quarantined: int
+    """Bad files plus damaged slots (counted in ``stats().corrupt`` too)."""
+    num_temp_removed: int
+    num_evicted: int
+    """Objects evicted to fit a capacity smaller than what was on disk."""
+
+
+class SegmentDirectory:
+    """Segment files of one directory, and the scans that index them into ``table``."""
+
+    def __init__(
+        self, config: DiskConfig, *, name: str, table: SegmentTable, stats: TierStats, log: LogOnce
+    ) -> None:
+        self.name = name
+        self.root = config.path
+        self.read_only = config.read_only
+        self.fsync = config.fsync
+        self.capacity_bytes = config.capacity_bytes
+        self.table = table
+        self.stats = stats
+        """The tier's counters: scans count damaged objects in ``corrupt``."""
+        self.log = log
+        self.lost: set[Segment] = set()
+        """Dropped segments whose fd waits for its last reader or writer."""
+        self.temp_ids = itertools.count()
+        self.last_refresh = 0.0
+        self.last_mtime_ns = 0
+        make_private_dir(self.root)
+        self.lock_fd = (
+            None if self.read_only else take_writer_lock(self.root / LOCK_NAME, tier_name=name)
+        )
+        self.quarantine = Quarantine(self.root / QUARANTINE_NAME, log)
+
+    def scan(self) -> ScanReport:
+        listing = segments.list_root(self.root, keep=frozenset((QUARANTINE_NAME, LOCK_NAME)))
+        num_temp = 0
+        if not self.read_only:  # the writer lock says no one else is writing
+            num_temp = sum(unlink(path, self.log) for path in listing.temps)
+        bad = [(e.path, e.name, "foreign file") for e in listing.others if not e.is_dir()]
+        for entry in listing.others:
+            if entry.is_dir():
+                self.log.warning("dir", "leaving directory %s alone", entry.path)
+        found: list[tuple[int, int, Segment]] = []
+        for seq, path in listing.segments.items():
+            loaded = self.load(seq, path)
+            if isinstance(loaded, str):
+                bad.append((path, os.path.basename(path), loaded))
+            else:
+                found.append((os.fstat(loaded.fd).st_mtime_ns, seq, loaded))
+        if not self.read_only:
+            for path, name, reason in bad:
+                self.quarantine.move(path, name, reason)
+        num_bad = len(bad)
+        num_bad_slots = 0
+        for mtime_ns, _, segment in sorted(found, key=lambda t: t[:2]):  # LRU first
+            segment.mtime_ns = mtime_ns
+            self.last_mtime_ns = max(self.last_mtime_ns, mtime_ns)
+            self.table.add(segment)
+            num_bad_slots += self.scan_slots(segment)
+        self.stats.corrupt += num_bad + num_bad_slots
+        if not self.read_only:
+            self.take_over()
+        if num_bad or num_bad_slots or num_temp:
+            logger.warning(
+                "disk tier %s: start-up scan found %d bad files and %d damaged objects, "
+                "removed %d temp files",
+                self.name,
+                num_bad,
+                num_bad_slots,
+                num_temp,
+            )
+        self.last_refresh = time.monotonic()
+        table = self.table
+        return ScanReport(
+            len(table.index),
+            table.allocated,
+            len(table.segments),
+            num_bad + num_bad_slots,
+            num_temp,
+            table.num_evicted,
+        )
+
+    def take_over(self) -> None:
+        """The writer's start: old segments are never appended to again, and a
+        capacity smaller than what is on disk evicts the oldest."""
+        for segment in self.table.segments.values():
+            self.table.supersede(segment)
+            self.restore_size(segment)
+            if not segment.sealed:
+                self.seal(segment)
+        while self.table.allocated > self.capacity_bytes and self.table.segments:
+            victim = next(iter(self.table.segments.values()))
+            self.table.evict(victim)
+            self.discard_file(victim)
+
+    def load(self, seq: int, path: str) -> Segment | str:
+        """A segment file found on disk, or what is wrong with it."""
+        opened = segments.open_segment_file(path, seq, writable=not self.read_only)
+        if isinstance(opened, str):
+            return opened
+        fd, header = opened
+        segment = Segment(header, path, fd, sealed=header.sealed)
+        segment.ready.set()
+        return segment
+
+    def scan_slots(self, segment: Segment) -> int:
+        """Index the live slots of ``segment`` not handled yet; returns damaged ones."""
+        num_bad = 0
+        try:
+            file_bytes = os.fstat(segment.fd).st_size
+            slots = list(
+                segments.read_slots(segment.fd, segment.header, segment.next_slot, file_bytes)
+            )
+        except OSError as exc:
+            self.log.warning("scan", "scanning %s: %s", segment.path, exc)
+            return 0
+        first_empty = None
+        for index, slot in slots:
+            if slot is None:
+                first_empty = index if first_empty is None else first_empty
+                continue
+            if index in segment.seen_slots:
+                continue
+            if self.read_only:
+                segment.seen_slots.add(index)
+            if isinstance(slot, str):
+                num_bad += 1
+                self.damaged(segment, index, slot)
+            elif slot.state is SlotState.LIVE:
+                entry = Entry(segment, index, slot.offset, slot.length)
+                self.table.index_slot(slot.digest.hex(), entry)
+        last = slots[-1][0] + 1 if slots else segment.next_slot
+        segment.next_slot = last if first_empty is None else first_empty
+        return num_bad
+
+    def maybe_refresh(self, *, missing: bool) -> bool:
+        """Read-only: rescan on a miss or after a while; True if it rescanned."""
+        if not self.read_only:
+            return False
+        if not missing and time.monotonic() - self.last_refresh < REFRESH_EVERY_S:
+            return False
+        self.refresh()
+        return True
+
+    def refresh(self) -> None:
+        """Follow the writer: drop segments gone from disk, add new ones, read new slots."""
+        self.last_refresh = time.monotonic()
+        on_disk = segments.list_root(self.root).segments
+        table = self.table
+        for seq, segment in list(table.segments.items()):
+            if seq not in on_disk and segment.readers == 0:
+                table.evict(segment, count=False)
+                self.close_fd(segment)
+        for seq, path in sorted(on_disk.items()):
+            if seq not in table.segments:
+                loaded = self.load(seq, path)
+                if isinstance(loaded, Segment):
+                    table.add(loaded)
+                    self.stats.corrupt += self.scan_slots(loaded)  # after its header
+        for segment in table.segments.values():
+            if segment.sealed:  # read before its last scan: that scan saw every slot
+                continue
+            try:
+                header = segments.read_segment_header(segment.fd)
+            except OSError:
+                continue
+            if isinstance(header, str) or header.seq != segment.seq:
+                continue  # being reused: gone from disk by the next refresh
+            self.stats.corrupt += self.scan_slots(segment)
+            segment.sealed = header.sealed  # sealed before this scan: nothing more to come
+
+    @staticmethod
+    def removed(segment: Segment) -> bool:
+        """Whether the segment's file lost its last link (removed from outside); marks it."""
+        if os.fstat(segment.fd).st_nlink == 0:
+            segment.lost = True
+        return segment.lost
+
+    @staticmethod
+    def restore_size(segment: Segment) -> None:
+        """A segment file cut short gets its size back, so its geometry holds again."""
+        if os.fstat(segment.fd).st_size < segment.size:
+            os.ftruncate(segment.fd, segment.size)
+
+    def drop_if_lost(self, segment: Segment) -> None:
+        if not segment.lost:
+            return
+        if self.table.holds(segment):
+            self.log.warning("lost", "%s was removed from outside", segment.path)
+            self.table.evict(segment, count=False)
+            self.lost.add(segment)
+        if segment.pending == 0 and segment.readers == 0:
+            self.close_fd(segment)
+            self.lost.discard(segment)
+
+    def open(self, segment: Segment) -> None:
+        """Prepare a new segment's file (a new one, or an evicted one taken over)."""
+        temp = f"{self.root}/{TEMP_PREFIX}{os.getpid()}.{next(self.temp_ids)}"
+        reuse = segment.reuse
+        if reuse is not None:
+            reuse_fd, reuse.fd = reuse.fd, -1
+        try:
+            segment.fd = prepare_file(
+                temp,
+                segment.path,
+                size=segment.size,
+                header=segment.header.pack(),
+                reuse=None if reuse is None else (reuse_fd, reuse.path),
+                sync_data=self.fsync is not FsyncPolicy.NEVER,
+                sync_dir=self.fsync is FsyncPolicy.ALWAYS,
+            )
+        except OSError as exc:
+            self.log.warning("open", "preparing %s: %s", segment.path, exc)
+            segment.failed = True
+        finally:
+            segment.reuse = None
+            segment.ready.set()
+
+    def write(
+        self, part: list[Reservation], keys: Sequence[StoreKey], buffers: Sequence[Buffer]
+    ) -> bool:
+        segment = part[0].segment
+        if segment.failed:
+            return False
+        try:
+            if self.removed(segment):
+                return False
+            run = [segments.Placed(r.slot, r.offset, keys[r.item], buffers[r.item]) for r in part]
+            segments.write_run(
+                segment.fd,
+                segment.seq,
+                run,
+                sync_data=self.fsync is not FsyncPolicy.NEVER,
+                sync_slots=self.fsync is FsyncPolicy.ALWAYS,
+            )
+        except OSError as exc:
+            self.log.warning("write", "writing %s: %s", segment.path, exc)
+            return False
+        return True
+
+    def seal(self, segment: Segment) -> None:
+        """Tell read-only instances no slot of this segment will be filled any more."""
+        try:
+            segments.write_sealed_flag(segment.fd)
+        except OSError as exc:
+            self.log.warning("seal", "sealing %s: %s", segment.path, exc)
+        segment.sealed = True
+        self.touch(segment, again=True)
+
+    def damaged(
+        self,
+        segment: Segment,
+        slot: int,
+        reason: str,
+        *,
+        digest: str = "",
+        entry: Entry | None = None,
+    ) -> None:
+        """A damaged object: the writer keeps a copy in quarantine and marks its slot dead."""
+        logger.warning(
+            "disk tier %s: damaged object in %s slot %d: %s", self.name, segment.path, slot, reason
+        )
+        if self.read_only:
+            return
+        self.mark_dead(segment, slot)
+        try:
+            self.restore_size(segment)
+        except OSError as exc:
+            self.log.warning("restore", "%s: %s", segment.path, exc)
+
+        def read() -> bytes:
+            data = os.pread(segment.fd, SLOT_BYTES, slot_offset(slot))
+            if entry is None:
+                return data
+            return data + os.pread(segment.fd, min(entry.length, MAX_QUARANTINE_COPY), entry.offset)
+
+        name = f"{digest}.kv" if digest else f"{os.path.basename(segment.path)}.slot{slot}"
+        self.quarantine.keep_copy(name, reason, read)
+
+    def mark_dead(self, segment: Segment, slot: int) -> None:
+        try:
+            segments.write_slot_state(segment.fd, slot, SlotState.DEAD)
+        except OSError as exc:
+            self.log.warning("dead", "%s: %s", segment.path, exc)
+        self.touch(segment, again=True)
+
+    def close_files(self) -> None:
+        for segment in [*self.table.segments.values(), *self.lost]:
+            self.close_fd(segment)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # releases the writer lock
+            self.lock_fd = None
+
+    def discard_file(self, segment: Segment) -> None:
+        self.close_fd(segment)
+        unlink(segment.path, self.log)
+
+    def touch(self, segment: Segment, *, again: bool = False) -> None:
+        """Persist the LRU order: the next start sorts segments by mtime. Stamps are
+        explicit and increasing (the kernel's own are coarse); ``again`` restores the
+        last stamp after a metadata write that moved it."""
+        if not again:
+            self.last_mtime_ns = max(time.time_ns(), self.last_mtime_ns + 1)
+            segment.mtime_ns = self.last_mtime_ns
+        if segment.fd < 0 or not segment.mtime_ns:
+            return
+        try:
+            os.utime(segment.fd, ns=(segment.mtime_ns, segment.mtime_ns))
+        except OSError as exc:
+            self.log.warning("touch", "%s: %s", segment.path, exc)
+
+    @staticmethod
+    def close_fd(segment: Segment) -> None:
+        if segment.fd >= 0:
+            os.close(segment.fd)
+            segment.fd = -1
+
+    def check_files(self) -> None:
+        """Segment files on disk vs the table (under the lock). A put may be
+        preparing segments right now; those and the files they take over are
+        checked once ready, which is decided before listing the directory."""
+        assert self.table.allocated <= self.capacity_bytes
+        now = list(self.table.segments.values())
+        opening = [s for s in now if not s.ready.is_set()]
+        skip = {s.seq for s in opening} | {s.reuse_seq for s in opening}
+        names = os.listdir(self.root)
+        on_disk = {
+            seq: os.stat(self.root / name).st_size
+            for name in names
+            if (m := segments.SEGMENT_NAME.match(name)) and (seq := int(m.group(1), 16)) not in skip
+        }
+        known = {s.seq: s.size for s in now if s not in opening and not s.failed}
+        assert on_disk == known, f"segment files {on_disk} != segments {known}"
+        temps = [name for name in names if name.startswith(TEMP_PREFIX)]
+        assert len(temps) <= len(opening), f"leaked temp files {temps}"

@@ -1,0 +1,320 @@
+"""The disk tier: objects appended to preallocated segment files, whole files evicted.
+
+Runs in the worker process (the one writer of a directory) and, read-only,
+in the scheduler process for lookups. Creating a file per object costs more
+than writing its bytes on ext4, while writing into a preallocated or reused
+file costs less than a plain write into a new one; so objects live in
+segment files (format: ``disk.segments``; files and scans: ``disk.directory``;
+bookkeeping: ``disk.table``).
+
+A put reserves a slot and a page-aligned data range in the active segment
+(under the lock), writes the payloads of a batch with one ``pwritev`` per
+contiguous run, and then their slots. A full tier evicts whole segments,
+least recently used first (a put or a hit uses a segment), and reuses the
+evicted file for the next segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from hybridkv.tiers.base import (
+    Buffer,
+    GetStatus,
+    PutStatus,
+    StoreKey,
+    Tier,
+    TierStats,
+    TierUsage,
+    check_batch,
+)
+from hybridkv.tiers.codec import HeaderError, key_digest
+from hybridkv.tiers.disk import segments
+from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
+from hybridkv.tiers.disk.directory import ScanReport, SegmentDirectory
+from hybridkv.tiers.disk.files import (
+    DiskTierInUse,
+    Quarantine,
+)
+from hybridkv.tiers.disk.segments import (
+    SLOT_BYTES,
+    Geometry,
+    Slot,
+    SlotState,
+    slot_offset,
+)
+from hybridkv.tiers.disk.table import (
+    Entry,
+    FileWork,
+    Reservation,
+    Segment,
+    SegmentTable,
+    runs,
+    split,
+)
+from hybridkv.tiers.log_once import LogOnce
+
+__all__ = ["DiskConfig", "DiskTier", "DiskTierInUse", "FsyncPolicy", "ScanReport"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_ReadOutcome = HeaderError | OSError | str | None
+
+
+class DiskTier(Tier):
+    """Objects in segment files; least recently used segment evicted first. Thread-safe.
+
+    ``get_many_into`` reads straight into the caller's buffer and verifies it
+    there: on CORRUPT the buffer holds unverified bytes and must not be used
+    (the transfer engine never scatters a non-OK buffer).
+    """
+
+    def __init__(self, config: DiskConfig, *, name: str = "disk") -> None:
+        self.name = name
+        self.load_weight = config.load_weight
+        self.capacity_bytes = config.capacity_bytes
+        self.fsync = config.fsync
+        self.read_only = config.read_only
+        self.root = config.path
+        self.geometry = Geometry.standard(config.segment_size)
+        self._num_io_threads = config.num_io_threads
+        self._table = SegmentTable(str(self.root), config.capacity_bytes, self.geometry)
+        self._stats = TierStats()
+        self._lock = threading.Lock()
+        self._log = LogOnce(logger, name)
+        self._closed = False
+        self._dir = SegmentDirectory(
+            config, name=name, table=self._table, stats=self._stats, log=self._log
+        )
+        try:
+            with self._lock:
+                self.scan_report = self._dir.scan()
+        except BaseException:
+            self._closed = True
+            self._dir.close_files()
+            raise
+        self._pool = (
+            ThreadPoolExecutor(config.num_io_threads, thread_name_prefix=f"hybridkv-{name}")
+            if config.num_io_threads > 1
+            else None
+        )
+
+    @property
+    def quarantine(self) -> Quarantine:
+        return self._dir.quarantine
+
+    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        digests = [key_digest(key).hex() for key in keys]
+        with self._lock:
+            self._check_open()
+            index = self._table.index
+            found = [digest in index for digest in digests]
+            if self._dir.maybe_refresh(missing=not all(found)) or self._any_lost(digests):
+                found = [digest in index for digest in digests]
+            self._stats.queries += len(keys)
+            self._stats.hits += sum(found)
+            self._stats.misses += len(keys) - sum(found)
+        return found
+
+    def _any_lost(self, digests: Sequence[str]) -> bool:
+        """Drop the segments of these digests whose files were removed from outside."""
+        index, lost = self._table.index, False
+        for segment in {e.segment for d in digests if (e := index.get(d)) is not None}:
+            try:
+                self._dir.removed(segment)
+            except OSError:
+                segment.lost = True
+            lost |= segment.lost
+            self._dir.drop_if_lost(segment)
+        return lost
+
+    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+        """Reserve in batch order, write runs of slots in parallel, commit in batch order."""
+        check_batch(keys, buffers)
+        self._check_writable("put")
+        results: list[PutStatus] = [PutStatus.OK] * len(keys)
+        reservations: list[Reservation] = []
+        work = FileWork()
+        with self._lock:
+            self._check_open()
+            for item, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
+                reserved = self._table.reserve(item, key_digest(key).hex(), len(buf), work)
+                if isinstance(reserved, Reservation):
+                    reservations.append(reserved)
+                elif reserved == "full":
+                    self._stats.put_skipped_full += 1
+                    results[item] = PutStatus.FULL
+                else:
+                    results[item] = PutStatus.EXISTS
+            for segment in work.discarded:
+                self._dir.discard_file(segment)
+            for segment in work.superseded:  # else sealed by the commit that idles it
+                if segment.idle and segment.fd >= 0 and not segment.sealed:
+                    self._dir.seal(segment)
+        for segment in work.to_open:
+            self._dir.open(segment)
+        parts: list[list[Reservation]] = []
+        for run in runs(reservations):
+            run[0].segment.ready.wait()  # another call may be preparing it
+            parts.extend(split(run, self._num_io_threads))
+        written = self._map(lambda i: self._dir.write(parts[i], keys, buffers), len(parts))
+        with self._lock:
+            for part, ok in zip(parts, written, strict=True):
+                for reservation in part:
+                    results[reservation.item] = self._commit(reservation, ok)
+            for segment in {r.segment for r in reservations}:
+                if self._table.holds(segment):
+                    self._dir.touch(segment)
+        return results
+
+    def _commit(self, reservation: Reservation, written: bool) -> PutStatus:
+        segment = reservation.segment
+        if self._table.commit(reservation, written):
+            self._stats.puts += 1
+            self._stats.put_bytes += reservation.length
+            status = PutStatus.OK
+        else:
+            self._stats.errors += 1
+            status = PutStatus.ERROR
+        if segment.pending == 0:
+            if segment.failed and self._table.holds(segment):
+                self._table.evict(segment, count=False)
+            elif segment.superseded and not segment.sealed and not segment.lost:
+                self._dir.seal(segment)
+        self._dir.drop_if_lost(segment)
+        return status
+
+    def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
+        check_batch(keys, buffers)
+        digests = [key_digest(key).hex() for key in keys]
+        with self._lock:
+            self._check_open()
+            index = self._table.index
+            found = [index.get(digest) for digest in digests]
+            if self._dir.maybe_refresh(missing=None in found):
+                found = [index.get(digest) for digest in digests]
+            todo = [(j, entry) for j, entry in enumerate(found) if entry is not None]
+            for _, entry in todo:
+                entry.segment.readers += 1
+        outcomes = self._map(
+            lambda i: self._read(todo[i][1], keys[todo[i][0]], buffers[todo[i][0]]), len(todo)
+        )
+        results = [GetStatus.MISS] * len(keys)
+        touched: set[Segment] = set()
+        with self._lock:
+            for (j, entry), outcome in zip(todo, outcomes, strict=True):
+                entry.segment.readers -= 1
+                results[j] = self._finish_get(digests[j], entry, keys[j], len(buffers[j]), outcome)
+                if results[j] is GetStatus.OK:
+                    touched.add(entry.segment)
+                self._dir.drop_if_lost(entry.segment)
+            if not self.read_only:
+                for segment in touched:
+                    if self._table.holds(segment):
+                        self._table.use(segment)
+                        self._dir.touch(segment)
+        return results
+
+    def _read(self, entry: Entry, key: StoreKey, buf: Buffer) -> _ReadOutcome:
+        segment = entry.segment
+        try:
+            if self._dir.removed(segment):
+                return segments.GONE
+            return segments.read_object(
+                segment.fd, segment.header, entry.slot, entry.offset, key, buf
+            )
+        except OSError as exc:
+            return exc
+
+    def _finish_get(
+        self, digest: str, entry: Entry, key: StoreKey, num_bytes: int, outcome: _ReadOutcome
+    ) -> GetStatus:
+        if outcome is None:
+            self._stats.gets += 1
+            self._stats.get_bytes += num_bytes
+            return GetStatus.OK
+        if outcome == segments.GONE:
+            self._table.forget(digest, entry)
+            return GetStatus.MISS
+        if isinstance(outcome, OSError):
+            self._log.warning("read", "reading %s: %s", key, outcome)
+            self._stats.errors += 1
+            return GetStatus.ERROR
+        self._stats.corrupt += 1
+        self._table.forget(digest, entry)
+        reason = outcome.value if isinstance(outcome, HeaderError) else outcome
+        self._dir.damaged(entry.segment, entry.slot, str(reason), digest=digest, entry=entry)
+        return GetStatus.CORRUPT
+
+    def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        self._check_writable("delete")
+        num_deleted = 0
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                digest = key_digest(key).hex()
+                entry = self._table.index.get(digest)
+                if entry is None or digest in self._table.pending:
+                    continue
+                self._table.forget(digest, entry)
+                self._dir.mark_dead(entry.segment, entry.slot)
+                num_deleted += 1
+            self._stats.deletes += num_deleted
+        return num_deleted
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(
+                num_objects=len(self._table.index),
+                used_bytes=self._table.allocated,
+                capacity_bytes=self.capacity_bytes,
+            )
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            stats = TierStats(**self._stats.as_dict())
+            stats.evictions = self._table.num_evicted
+            return stats
+
+    def _map(self, one: Callable[[int], T], count: int) -> list[T]:
+        if self._pool is None or count < 2:
+            return [one(i) for i in range(count)]
+        return list(self._pool.map(one, range(count)))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        with self._lock:
+            self._dir.close_files()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"disk tier {self.name} is closed")
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise RuntimeError(f"disk tier {self.name} at {self.root} is read-only: cannot {what}")
+
+    def check_integrity(self) -> None:
+        """Index vs segments vs counters vs the slot tables and files on disk."""
+        with self._lock:
+            self._table.check()
+            if not self.read_only:
+                self._dir.check_files()
+            for digest, entry in self._table.index.items():
+                segment = entry.segment
+                raw = os.pread(segment.fd, SLOT_BYTES, slot_offset(entry.slot))
+                slot = segments.parse_slot(raw, segment.header, segment.size)
+                assert isinstance(slot, Slot) and slot.state is SlotState.LIVE, (digest, slot)
+                found = (slot.digest.hex(), slot.offset, slot.length)
+                assert found == (digest, entry.offset, entry.length), digest

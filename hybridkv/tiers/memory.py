@@ -1,0 +1,124 @@
+"""Host memory for tiers and staging: touched arenas and an extent allocator over them.
+
+Any process; no I/O. Arenas are allocated and touched once (first-touch page
+faults are slow on small hosts) and pinned when CUDA is present; extents of
+an arena are handed out by ``ExtentAllocator``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridkv.tiers.base import Buffer
+
+ALIGN_BYTES = 64
+"""Extents start on cache-line boundaries."""
+
+
+class ExtentAllocator:
+    """Hands out aligned extents of ``[0, total_bytes)``; not thread-safe.
+
+    ``allocate`` reuses a free extent of exactly the rounded size when one
+    exists, else splits the smallest free extent that fits (best fit). Freed
+    extents merge with free neighbours, so a fully freed arena is one extent.
+    """
+
+    def __init__(self, total_bytes: int, *, align: int = ALIGN_BYTES) -> None:
+        self.align = align
+        self.total_bytes = total_bytes - total_bytes % align
+        self._free_by_offset: dict[int, int] = {}
+        self._free_by_end: dict[int, int] = {}
+        self._free_by_size: dict[int, set[int]] = {}
+        self._allocated: dict[int, int] = {}
+        self.allocated_bytes = 0
+        if self.total_bytes > 0:
+            self._add_free(0, self.total_bytes)
+
+    def rounded(self, num_bytes: int) -> int:
+        return max(self.align, -(-num_bytes // self.align) * self.align)
+
+    def allocate(self, num_bytes: int) -> int | None:
+        """Offset of a new extent of at least ``num_bytes``, or None if none fits."""
+        size = self.rounded(num_bytes)
+        exact = self._free_by_size.get(size)
+        if exact:
+            offset = next(iter(exact))
+            self._remove_free(offset)
+        else:
+            fits = [free_size for free_size in self._free_by_size if free_size > size]
+            if not fits:
+                return None
+            offset = next(iter(self._free_by_size[min(fits)]))
+            free_size = self._remove_free(offset)
+            self._add_free(offset + size, free_size - size)
+        self._allocated[offset] = size
+        self.allocated_bytes += size
+        return offset
+
+    def free(self, offset: int) -> None:
+        size = self._allocated.pop(offset)
+        self.allocated_bytes -= size
+        end = offset + size
+        if end in self._free_by_offset:
+            size += self._remove_free(end)
+        left = self._free_by_end.get(offset)
+        if left is not None:
+            size += self._remove_free(left)
+            offset = left
+        self._add_free(offset, size)
+
+    def allocated(self) -> dict[int, int]:
+        """offset -> size of every allocated extent (a copy)."""
+        return dict(self._allocated)
+
+    def _add_free(self, offset: int, size: int) -> None:
+        self._free_by_offset[offset] = size
+        self._free_by_end[offset + size] = offset
+        self._free_by_size.setdefault(size, set()).add(offset)
+
+    def _remove_free(self, offset: int) -> int:
+        size = self._free_by_offset.pop(offset)
+        del self._free_by_end[offset + size]
+        same_size = self._free_by_size[size]
+        same_size.discard(offset)
+        if not same_size:
+            del self._free_by_size[size]
+        return size
+
+    def check_integrity(self) -> None:
+        extents = sorted([*self._allocated.items(), *self._free_by_offset.items()])
+        position = 0
+        for offset, size in extents:
+            assert offset == position, f"gap or overlap at {position}: next extent at {offset}"
+            assert size > 0 and offset % self.align == 0 and size % self.align == 0
+            position = offset + size
+        assert position == self.total_bytes, f"extents cover {position} of {self.total_bytes}"
+        assert self.allocated_bytes == sum(self._allocated.values())
+        for offset, size in self._free_by_offset.items():
+            assert self._free_by_end[offset + size] == offset
+            assert offset in self._free_by_size[size]
+            assert offset + size not in self._free_by_offset, "adjacent free extents not merged"
+        assert len(self._free_by_end) == len(self._free_by_offset)
+        assert sum(map(len, self._free_by_size.values())) == len(self._free_by_offset)
+
+
+def allocate_arena(num_bytes: int, *, pin_memory: bool | None) -> tuple[Buffer, object | None]:
+    """A touched uint8 arena; pinned (page-locked) when asked or, for None, when CUDA is up.
+
+    Returns the array and the object that owns its memory (a torch tensor when
+    pinned) which must stay referenced as long as the array is used.
+    """
+    if pin_memory is not False:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if pin_memory and not cuda:
+            raise ValueError("pin_memory=True needs CUDA, which is not available; use null (auto)")
+        if cuda:
+            tensor = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+            arena: Buffer = tensor.numpy()
+            arena.fill(0)
+            return arena, tensor
+    arena = np.empty(num_bytes, dtype=np.uint8)
+    arena.fill(0)  # first touch now, not on the data path
+    return arena, None

@@ -1,0 +1,1 @@
+"""The Mooncake Store tier: a KV pool shared by many engines and machines."""

@@ -1,0 +1,1 @@
+"""Several tiers behind one store: union lookup, cheapest reads, write-back."""

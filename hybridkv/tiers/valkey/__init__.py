@@ -1,0 +1,1 @@
+"""The Valkey tier: a shared pool on a Valkey or Redis server."""

