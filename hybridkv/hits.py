@@ -12,13 +12,14 @@ pass; answers are remembered across passes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import ClassVar, NamedTuple
+from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from hybridkv.spec import GroupKind, KVGroup
+from hybridkv.spec import KVGroup
+from hybridkv.spec.kinds import Found, KindRules, rules_for
 
 Contains = Callable[[int, Sequence[int]], Sequence[bool]]
 """``contains(group_id, block_ids)``: does the store hold each block of that group."""
@@ -32,166 +33,6 @@ class Hit(NamedTuple):
     num_tokens: int
     blocks_to_load: tuple[tuple[int, ...], ...]
     """Per group (same order as the groups), increasing block indices to load."""
-
-
-class _Found(NamedTuple):
-    """One group's answer for one bound: hit length and the blocks it loads."""
-
-    num_tokens: int
-    first_block: int
-    end_block: int
-
-
-class _Rule:
-    """How one kind of group turns "which blocks are stored" into a hit length.
-
-    A rule reads a window ``[lo, hi)`` of block indices, says which of them can
-    still change its answer (so later groups of an equal spec are asked less),
-    and finds the hit from the combined answers ``have`` (True: every group of
-    the spec holds the block) over that window.
-    """
-
-    searched_once: ClassVar[bool] = False
-    """Hits are prefixes: found once, later passes only trim to the candidate."""
-    widens_for_eagle: ClassVar[bool] = True
-    """With EAGLE the lookup bound grows by one block before one is dropped."""
-
-    def window(self, group: KVGroup, bound: int) -> tuple[int, int]:
-        return 0, bound // group.block_size
-
-    def stride(self, a: int) -> tuple[int, int]:
-        """(offset, step): the only block indices the rule ever reads (``a``: alignment
-        in blocks)."""
-        return 0, 1
-
-    def relevant(self, group: KVGroup, lo: int, maybe: BoolArray, drop: bool, a: int) -> BoolArray:
-        """Which indices of the window (``maybe``: no group said missing) matter."""
-        return maybe
-
-    def find(self, group: KVGroup, lo: int, have: bytes, drop: bool, align: int) -> _Found:
-        raise NotImplementedError
-
-
-def _prefix(mask: BoolArray) -> BoolArray:
-    """``mask`` cut at its first False: only a prefix can matter."""
-    out = np.zeros_like(mask)
-    stop = int(np.argmin(mask)) if not mask.all() else mask.size
-    out[:stop] = True
-    return out
-
-
-def _first_missing(have: bytes) -> int:
-    pos = have.find(b"\x00")
-    return len(have) if pos < 0 else pos
-
-
-class _FullRule(_Rule):
-    """Full attention: the longest stored prefix."""
-
-    searched_once = True
-
-    def relevant(self, group: KVGroup, lo: int, maybe: BoolArray, drop: bool, a: int) -> BoolArray:
-        return _prefix(maybe)
-
-    def find(self, group: KVGroup, lo: int, have: bytes, drop: bool, align: int) -> _Found:
-        num_tokens = _first_missing(have) * group.block_size
-        if drop and num_tokens > 0:
-            num_tokens -= group.block_size
-        num_tokens -= num_tokens % align
-        return _Found(num_tokens, 0, num_tokens // group.block_size)
-
-
-class _SlidingWindowRule(_Rule):
-    """Sliding window: the rightmost run of ``cdiv(window - 1, block_size)`` stored
-    blocks whose end lands on the alignment, else the run from block 0."""
-
-    @staticmethod
-    def _need(group: KVGroup, drop: bool) -> int:
-        assert group.sliding_window is not None
-        # EAGLE needs one more block, then drops it; a run is never shorter than 1.
-        return max(1, -(-(group.sliding_window - 1) // group.block_size) + int(drop))
-
-    def relevant(self, group: KVGroup, lo: int, maybe: BoolArray, drop: bool, a: int) -> BoolArray:
-        # Only runs long enough for a hit, or the run from block 0, can matter.
-        edges = np.diff(np.concatenate(([0], maybe.view(np.int8), [0])))
-        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-        keep = (ends - starts >= self._need(group, drop)) | (starts == 0)
-        delta = np.zeros(maybe.size + 1, np.int8)
-        delta[starts[keep]] = 1
-        delta[ends[keep]] = -1
-        return np.cumsum(delta[:-1]) > 0
-
-    def find(self, group: KVGroup, lo: int, have: bytes, drop: bool, align: int) -> _Found:
-        need, a, bs = self._need(group, drop), align // group.block_size, group.block_size
-        # A run's last block e qualifies when the hit after the EAGLE drop is aligned.
-        phase = 0 if drop else a - 1
-        pattern = b"\x01" * need
-        end = len(have)
-        while (start := have.rfind(pattern, 0, end)) >= 0:
-            last = start + need - 1  # rightmost block that ends a long enough run
-            run_start = have.rfind(b"\x00", 0, last) + 1
-            e = last - (last - phase) % a
-            if e - need + 1 >= run_start:
-                num_blocks = e if drop else e + 1
-                return _Found(num_blocks * bs, e - need + 1, num_blocks)
-            if run_start == 0:
-                break
-            end = run_start - 1
-        # No long run: the run from block 0, ended on a qualifying block, re-aligned.
-        leading = _first_missing(have)
-        num_blocks = 0 if leading == 0 else leading - (leading - 1 - phase) % a
-        num_blocks = max(num_blocks, 0)
-        num_blocks -= num_blocks % a
-        if drop and num_blocks > 0:
-            num_blocks -= 1
-            num_blocks -= num_blocks % a
-        return _Found(num_blocks * bs, 0, num_blocks)
-
-
-class _ChunkedLocalRule(_Rule):
-    """Chunked local attention: stored blocks from the start of the bound's chunk."""
-
-    def window(self, group: KVGroup, bound: int) -> tuple[int, int]:
-        assert group.attention_chunk_size is not None
-        chunk_start = bound // group.attention_chunk_size * group.attention_chunk_size
-        return chunk_start // group.block_size, bound // group.block_size
-
-    def relevant(self, group: KVGroup, lo: int, maybe: BoolArray, drop: bool, a: int) -> BoolArray:
-        return _prefix(maybe)
-
-    def find(self, group: KVGroup, lo: int, have: bytes, drop: bool, align: int) -> _Found:
-        end_block = lo + _first_missing(have)
-        return _Found(end_block * group.block_size, lo, end_block)
-
-
-class _MambaRule(_Rule):
-    """Mamba: the last stored state whose end lands on the alignment."""
-
-    widens_for_eagle = False
-
-    def stride(self, a: int) -> tuple[int, int]:
-        return a - 1, a
-
-    def relevant(self, group: KVGroup, lo: int, maybe: BoolArray, drop: bool, a: int) -> BoolArray:
-        out = np.zeros_like(maybe)
-        out[a - 1 :: a] = maybe[a - 1 :: a]
-        return out
-
-    def find(self, group: KVGroup, lo: int, have: bytes, drop: bool, align: int) -> _Found:
-        a = align // group.block_size
-        pos = have[a - 1 :: a].rfind(b"\x01")
-        if pos < 0:
-            return _Found(0, 0, 0)
-        block = pos * a + a - 1
-        return _Found((block + 1) * group.block_size, block, block + 1)
-
-
-_RULES: dict[GroupKind, _Rule] = {
-    GroupKind.FULL: _FullRule(),
-    GroupKind.SLIDING_WINDOW: _SlidingWindowRule(),
-    GroupKind.CHUNKED_LOCAL: _ChunkedLocalRule(),
-    GroupKind.MAMBA: _MambaRule(),
-}
 
 
 def _as_bools(answer: object, num_asked: int, group_id: int) -> BoolArray | None:
@@ -229,14 +70,16 @@ class _SpecSearch:
     def __init__(self, group_ids: list[int], group: KVGroup, num_blocks: int) -> None:
         self.group_ids = group_ids
         self.group = group
-        self.rule = _RULES[group.kind]
+        self.rule: KindRules = rules_for(group.kind)
         self.asked = [np.zeros(num_blocks, np.bool_) for _ in group_ids]  # per group
         self.missing = np.zeros(num_blocks, np.bool_)  # some group of the spec lacks it
         self.any_missing = False
         self.never_asked = [True] * len(group_ids)
-        self.found: _Found | None = None
+        self.found: Found | None = None
+        self.drafts = False
+        """EAGLE-style drafting drops this spec's last hit block."""
 
-    def search(self, bound: int, drop: bool, align: int, contains: Contains) -> _Found:
+    def search(self, bound: int, drop: bool, align: int, contains: Contains) -> Found:
         """The spec's hit for ``bound``; asks each of its groups at most once."""
         lo, hi = self.rule.window(self.group, bound)
         hi = max(lo, hi)
@@ -327,15 +170,13 @@ def _validate(
                 f"{odd} (block sizes {sizes}); use a multiple of their LCM {lcm}, or None"
             )
         for i, g in enumerate(groups):
-            if g.kind is GroupKind.CHUNKED_LOCAL and g.block_size != align:
-                problems.append(
-                    f"group {i} is CHUNKED_LOCAL with block_size={g.block_size} != "
-                    f"alignment_tokens={align}; chunked local attention needs every group's "
-                    "block size to divide its own and the alignment to equal it (as in vLLM)"
-                )
-    if use_eagle is True and any(g.kind is GroupKind.CHUNKED_LOCAL for g in groups):
+            problem = rules_for(g.kind).alignment_problem(g, align)
+            if problem:
+                problems.append(f"group {i}: {problem}")
+    eagle_less = [i for i, g in enumerate(groups) if not rules_for(g.kind).supports_eagle]
+    if use_eagle is True and eagle_less:
         problems.append(
-            "use_eagle=True with a CHUNKED_LOCAL group is unsupported (vLLM rejects EAGLE with "
+            f"use_eagle=True with groups {eagle_less} is unsupported (vLLM rejects EAGLE with "
             "chunked local attention); pass use_eagle=False"
         )
     if problems:
@@ -358,7 +199,7 @@ def _spec_searches(groups: Sequence[KVGroup], max_hit_tokens: int) -> list[_Spec
         _SpecSearch(ids, groups[ids[0]], (max_hit_tokens + 1) // groups[ids[0]].block_size)
         for _, ids in specs
     ]
-    searches.sort(key=lambda s: s.group.kind is not GroupKind.FULL)
+    searches.sort(key=lambda s: not s.rule.searched_once)
     return searches
 
 
@@ -369,6 +210,7 @@ def find_longest_hit(
     *,
     alignment_tokens: int | None = None,
     use_eagle: bool = False,
+    eagle_group_ids: Collection[int] | None = None,
 ) -> Hit:
     """Longest hit of at most ``max_hit_tokens`` tokens that every group can resume.
 
@@ -376,18 +218,25 @@ def find_longest_hit(
     holds each block (group block i = tokens ``[i*block_size, (i+1)*block_size)``);
     it is called at most once per group per pass. ``alignment_tokens`` (default:
     LCM of the block sizes) is the granularity of the hit. ``use_eagle`` drops
-    one block as vLLM does for EAGLE/MTP drafting; the request is taken to be
-    ``max_hit_tokens + 1`` tokens long (the engine asks with ``num_tokens - 1``).
+    one block as vLLM does for EAGLE/MTP drafting, in the groups
+    ``eagle_group_ids`` (None: every group, as vLLM when no group is flagged);
+    the request is taken to be ``max_hit_tokens + 1`` tokens long (the engine
+    asks with ``num_tokens - 1``).
     A single group is searched once, without the EAGLE widening, as the engine's
     single-group coordinator does. ``contains`` should answer False for blocks it
     cannot confirm (a store failure costs hits); its exceptions propagate.
     """
     align = _validate(groups, max_hit_tokens, contains, alignment_tokens, use_eagle)
     searches = _spec_searches(groups, max_hit_tokens)
+    if use_eagle:
+        eagle = set(range(len(groups)) if eagle_group_ids is None else eagle_group_ids)
+        for search in searches:  # a spec drops when any of its groups drafts (as vLLM's)
+            search.drafts = bool(eagle.intersection(search.group_ids))
     if len(groups) == 1:  # the engine's single-group coordinator: one lookup, no widening
-        hit_tokens = searches[0].search(max_hit_tokens, use_eagle, align, contains).num_tokens
+        drop = searches[0].drafts
+        hit_tokens = searches[0].search(max_hit_tokens, drop, align, contains).num_tokens
     else:
-        hit_tokens = _converge(searches, max_hit_tokens, contains, align, use_eagle)
+        hit_tokens = _converge(searches, max_hit_tokens, contains, align)
     blocks: list[tuple[int, ...]] = [()] * len(groups)
     for search in searches:
         found = search.found
@@ -401,21 +250,21 @@ def find_longest_hit(
 
 
 def _converge(
-    searches: list[_SpecSearch], max_hit_tokens: int, contains: Contains, align: int, eagle: bool
+    searches: list[_SpecSearch], max_hit_tokens: int, contains: Contains, align: int
 ) -> int:
     """Passes over all specs until none shrinks the candidate (vLLM's fixed point)."""
     hit_tokens = max_hit_tokens
     # EAGLE drops a block once per spec and candidate; a shrink re-arms the drop.
     eagle_done: set[int] = set()
     # One full-attention spec plus one other: a single pass settles it.
-    one_pass = len(searches) == 2 and searches[0].group.kind is GroupKind.FULL
+    one_pass = len(searches) == 2 and searches[0].rule.searched_once
     while True:
         candidate = hit_tokens
         for index, search in enumerate(searches):
             if search.rule.searched_once and search.found is not None:
                 candidate = min(candidate, search.found.num_tokens)
                 continue
-            drop = eagle and index not in eagle_done
+            drop = search.drafts and index not in eagle_done
             bound = candidate
             if drop and search.rule.widens_for_eagle:
                 bound = min(candidate + search.group.block_size, max_hit_tokens + 1)

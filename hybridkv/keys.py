@@ -1,6 +1,7 @@
 """Stable block keys: chained block hashes over token ids, and store keys built from them.
 
-Runs in the scheduler process (keys for hit lookups and for stores). Hashes never
+Runs in the scheduler process (block hashes; every rank's keys for lookups) and in
+each worker (its own rank's keys for loads and stores). Hashes never
 depend on ``PYTHONHASHSEED`` or Python's ``hash()``, so the same tokens give the
 same keys in every process, after a restart and on every machine.
 
@@ -30,7 +31,7 @@ import enum
 import hashlib
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -247,11 +248,12 @@ class KeyNamespace:
 
 
 class KeyBuilder:
-    """Store keys of group blocks from a request's chained hash-block hashes.
+    """Store keys of one namespace (model, layout, tensor-parallel rank).
 
     Group ``g`` block ``i`` covers tokens ``[i * bs, (i + 1) * bs)`` with
-    ``bs = m * hash_block_size``; its key uses hash ``(i + 1) * m - 1``, which
-    chains every token before the block's end.
+    ``bs = m * hash_block_size``; it is named by ``block_hash`` = the request's
+    hash ``(i + 1) * m - 1``, which chains every token before the block's end.
+    A block hash is the same for every rank; ``key`` adds the namespace.
     """
 
     def __init__(self, layout: KVLayoutSpec, namespace: KeyNamespace) -> None:
@@ -275,22 +277,35 @@ class KeyBuilder:
         """Group blocks fully covered by ``num_hashes`` hash blocks."""
         return num_hashes // self.hashes_per_block(group_id)
 
-    def keys(
-        self, group_id: int, hashes: Sequence[BlockHash], block_ids_in_group: Sequence[int]
-    ) -> list[StoreKey]:
-        """Keys of the given group-block indices; ValueError if a block is not full yet."""
+    def block_hashes(
+        self, group_id: int, hashes: Sequence[BlockHash], block_indices: Iterable[int]
+    ) -> list[BlockHash]:
+        """The names of the given group blocks; ValueError if a block is not full yet."""
         m = self.hashes_per_block(group_id)
-        prefix = self._group_prefixes[group_id]
         num_full = len(hashes) // m
-        keys: list[StoreKey] = []
-        for i in block_ids_in_group:
+        out: list[BlockHash] = []
+        for i in block_indices:
             if not 0 <= i < num_full:
                 raise ValueError(
                     f"group {group_id} block {i} is not complete: {len(hashes)} hashes cover "
                     f"blocks [0, {num_full}) of {m} hash blocks each"
                 )
-            keys.append(StoreKey(prefix + hashes[(i + 1) * m - 1].hex()))
-        return keys
+            out.append(hashes[(i + 1) * m - 1])
+        return out
+
+    def key(self, group_id: int, block_hash: BlockHash) -> StoreKey:
+        """The store key of one group block in this namespace."""
+        return StoreKey(self._group_prefixes[group_id] + block_hash.hex())
+
+    def keys_of(self, group_id: int, block_hashes: Iterable[BlockHash]) -> list[StoreKey]:
+        prefix = self._group_prefixes[group_id]
+        return [StoreKey(prefix + h.hex()) for h in block_hashes]
+
+    def keys(
+        self, group_id: int, hashes: Sequence[BlockHash], block_indices: Iterable[int]
+    ) -> list[StoreKey]:
+        """Keys of the given group-block indices of a request's hash chain."""
+        return self.keys_of(group_id, self.block_hashes(group_id, hashes, block_indices))
 
     def _check_group(self, group_id: int) -> None:
         if not 0 <= group_id < len(self._hashes_per_block):

@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hybridkv.hits import Hit, find_longest_hit
 from hybridkv.spec import GroupKind, KVGroup
-from tests.test_hits import (
+from tests.support.hits import (
     chunked,
     full,
     mamba,
@@ -225,5 +225,5 @@ def test_layouts_we_reject_are_ones_vllm_rejects() -> None:
         align = math.lcm(*(g.block_size for g in groups))
         with pytest.raises(AssertionError, match="chunked local attention"):
             vllm_hit(groups, [set(range(9))] * 2, 30, align, 4, use_eagle)
-        with pytest.raises(ValueError, match="CHUNKED_LOCAL"):
+        with pytest.raises(ValueError, match="chunked local attention"):
             find_longest_hit(groups, 30, lambda g, ids: [True] * len(ids), use_eagle=use_eagle)

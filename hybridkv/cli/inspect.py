@@ -4,9 +4,10 @@ Runs in the CLI process only. ``compute_report`` is the pure calculation
 (tested); ``render_text`` and ``run`` only format and print it.
 
 For a hit of N tokens, a hybrid-aware loader moves per group only what the
-group needs to resume at N: all N tokens (full attention), the blocks holding
-the last ``window - 1`` tokens (sliding window), the blocks since the current
-chunk began (chunked local attention), one state (Mamba). A layer-blind loader
+group needs to resume at N, as the hit search answers it for a store holding
+every block: all N tokens (full attention), the blocks holding the last
+``window - 1`` tokens (sliding window), the blocks since the current chunk
+began (chunked local attention), one state (Mamba). A layer-blind loader
 moves every group's blocks for all N tokens (for Mamba: one state per block).
 """
 
@@ -14,45 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hybridkv.planner import ChunkPlan
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.hits import find_longest_hit
+from hybridkv.spec import KVLayoutSpec
 from hybridkv.spec.presets import PRESETS, load_layout
 
 DEFAULT_HIT_TOKENS = 32768
-
-
-def _full_blocks(group: KVGroup, num_tokens: int) -> int:
-    return num_tokens // group.block_size
-
-
-def _sliding_window_blocks(group: KVGroup, num_tokens: int) -> int:
-    assert group.sliding_window is not None
-    first_needed_token = max(0, num_tokens - (group.sliding_window - 1))
-    return num_tokens // group.block_size - first_needed_token // group.block_size
-
-
-def _chunked_local_blocks(group: KVGroup, num_tokens: int) -> int:
-    assert group.attention_chunk_size is not None
-    chunk_start = num_tokens // group.attention_chunk_size * group.attention_chunk_size
-    return math.ceil((num_tokens - chunk_start) / group.block_size)
-
-
-def _mamba_blocks(group: KVGroup, num_tokens: int) -> int:
-    return 1 if num_tokens >= group.block_size else 0
-
-
-NEEDED_BLOCKS: dict[GroupKind, Callable[[KVGroup, int], int]] = {
-    GroupKind.FULL: _full_blocks,
-    GroupKind.SLIDING_WINDOW: _sliding_window_blocks,
-    GroupKind.CHUNKED_LOCAL: _chunked_local_blocks,
-    GroupKind.MAMBA: _mamba_blocks,
-}
-"""Blocks a group needs to resume a request at ``num_tokens`` (a block-aligned count)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +41,6 @@ class GroupLoad:
     hybrid_bytes: int
     blind_blocks: int
     blind_bytes: int
-    blocks_per_chunk: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,15 +51,13 @@ class InspectReport:
     hash_block_size: int
     requested_hit_tokens: int
     hit_tokens: int
-    """The requested hit rounded down to the scheduler block size (hits are aligned)."""
+    """The requested hit rounded down to the alignment (hits are aligned)."""
+    alignment_tokens: int
     groups: tuple[GroupLoad, ...]
     hybrid_bytes: int
     blind_bytes: int
     ratio: float
     """hybrid_bytes / blind_bytes."""
-    chunk_tokens: int
-    max_model_len: int
-    warnings: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,25 +67,22 @@ def compute_report(
     layout: KVLayoutSpec,
     *,
     hit_tokens: int = DEFAULT_HIT_TOKENS,
-    chunk_tokens: int | None = None,
-    max_model_len: int | None = None,
+    alignment_tokens: int | None = None,
 ) -> InspectReport:
-    """The numbers ``inspect`` prints; ValueError for an impossible hit or chunk size."""
+    """The numbers ``inspect`` prints; ValueError for an impossible hit or alignment."""
+    align = layout.scheduler_block_size if alignment_tokens is None else alignment_tokens
     is_int = isinstance(hit_tokens, int) and not isinstance(hit_tokens, bool)
-    aligned = (
-        hit_tokens // layout.scheduler_block_size * layout.scheduler_block_size if is_int else 0
-    )
-    if aligned <= 0:
+    if not is_int or hit_tokens < align:
         raise ValueError(
-            f"hit_tokens={hit_tokens!r} must be an int >= scheduler_block_size="
-            f"{layout.scheduler_block_size} (hits are aligned to it)"
+            f"hit_tokens={hit_tokens!r} must be an int >= the alignment {align} "
+            "(hits are aligned to it)"
         )
-    chunk = layout.scheduler_block_size if chunk_tokens is None else chunk_tokens
-    plan = ChunkPlan.build(layout, chunk, hit_tokens if max_model_len is None else max_model_len)
+    # A request one token longer than the hit: the hit search may use all of it.
+    hit = find_longest_hit(layout.groups, hit_tokens, _everything, alignment_tokens=align)
     loads = []
     for group_id, group in enumerate(layout.groups):
-        hybrid_blocks = NEEDED_BLOCKS[group.kind](group, aligned)
-        blind_blocks = aligned // group.block_size
+        hybrid_blocks = len(hit.blocks_to_load[group_id])
+        blind_blocks = hit.num_tokens // group.block_size
         loads.append(
             GroupLoad(
                 group_id=group_id,
@@ -133,7 +98,6 @@ def compute_report(
                 hybrid_bytes=hybrid_blocks * group.block_bytes,
                 blind_blocks=blind_blocks,
                 blind_bytes=blind_blocks * group.block_bytes,
-                blocks_per_chunk=plan.units[group_id].blocks_per_chunk,
             )
         )
     hybrid = sum(load.hybrid_bytes for load in loads)
@@ -144,15 +108,17 @@ def compute_report(
         scheduler_block_size=layout.scheduler_block_size,
         hash_block_size=layout.hash_block_size,
         requested_hit_tokens=hit_tokens,
-        hit_tokens=aligned,
+        hit_tokens=hit.num_tokens,
+        alignment_tokens=align,
         groups=tuple(loads),
         hybrid_bytes=hybrid,
         blind_bytes=blind,
         ratio=hybrid / blind,
-        chunk_tokens=plan.chunk_tokens,
-        max_model_len=plan.max_model_len,
-        warnings=plan.warnings,
     )
+
+
+def _everything(group_id: int, block_ids: Sequence[int]) -> list[bool]:
+    return [True] * len(block_ids)
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -170,26 +136,22 @@ def render_text(report: InspectReport) -> str:
         f"hash block size {report.hash_block_size} tokens",
         "",
         f"{'group':>5} {'kind':<14} {'block':>6} {'window':>7} {'layers':>6} "
-        f"{'page bytes':>11} {'bytes/token':>12} {'hybrid':>10} {'blind':>10} {'chunk blks':>10}",
+        f"{'page bytes':>11} {'bytes/token':>12} {'hybrid':>10} {'blind':>10}",
     ]
     for g in report.groups:
         window = g.sliding_window or g.attention_chunk_size
-        chunk = "-" if g.blocks_per_chunk is None else str(g.blocks_per_chunk)
         lines.append(
             f"{g.group_id:>5} {g.kind:<14} {g.block_size:>6} {window or '-':>7} "
             f"{g.num_layers:>6} {g.page_size_bytes:>11} {g.bytes_per_token:>12.0f} "
-            f"{format_bytes(g.hybrid_bytes):>10} {format_bytes(g.blind_bytes):>10} {chunk:>10}"
+            f"{format_bytes(g.hybrid_bytes):>10} {format_bytes(g.blind_bytes):>10}"
         )
     lines += [
         "",
         f"hit of {report.hit_tokens} tokens (requested {report.requested_hit_tokens}): "
         f"hybrid-aware load {format_bytes(report.hybrid_bytes)} ({report.hybrid_bytes} B), "
         f"layer-blind load {format_bytes(report.blind_bytes)} ({report.blind_bytes} B), "
-        f"ratio {report.ratio:.2%}",
-        f"offload chunk {report.chunk_tokens} tokens (max_model_len {report.max_model_len}); "
-        "'chunk blks' = blocks per chunk, '-' = group not chunkable at this size",
+        f"ratio {report.ratio:.2%} (hits aligned to {report.alignment_tokens} tokens)",
     ]
-    lines += [f"warning: {w}" for w in report.warnings]
     return "\n".join(lines)
 
 
@@ -205,16 +167,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="length of the cache hit to cost (default %(default)s)",
     )
     parser.add_argument(
-        "--chunk-tokens",
+        "--alignment-tokens",
         type=int,
         default=None,
-        help="offload chunk size in tokens (default: the scheduler block size)",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest request, for the chunk plan (default: --hit-tokens)",
+        help="granularity of hits (default: the scheduler block size, as the engine's)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -222,10 +178,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     layout = load_layout(args.layout)
     report = compute_report(
-        layout,
-        hit_tokens=args.hit_tokens,
-        chunk_tokens=args.chunk_tokens,
-        max_model_len=args.max_model_len,
+        layout, hit_tokens=args.hit_tokens, alignment_tokens=args.alignment_tokens
     )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from hybridkv.tiers.registry import parse_byte_size
+    from hybridkv.schema import parse_byte_size
 
     sizes = {
         name: parse_byte_size(getattr(args, name)) for name in ("segment_size", "valkey_maxmemory")

@@ -1,30 +1,41 @@
 """What the scheduler side tells the worker side each step, and what comes back.
 
 Plain picklable frozen dataclasses, built in the scheduler process and read in
-the worker process (or the reverse for ``WorkerReport``). The scheduler
-decides everything (which keys, which engine block ids); the worker only
-moves bytes and reports what happened.
+the worker processes (one per tensor-parallel rank), or the reverse for
+``WorkerReport``. The scheduler decides everything (which blocks, which engine
+block ids) and names blocks by their rank-free ``BlockHash``; each worker
+derives its own rank's store keys and only moves bytes. Reports name blocks
+the same way, tagged with the rank that moved them.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from hybridkv.tiers.base import StoreKey
+from hybridkv.keys import BlockHash
+
+
+class BlockRef(NamedTuple):
+    """One stored block, the same for every tensor-parallel rank."""
+
+    group_id: int
+    block_hash: BlockHash
 
 
 @dataclass(frozen=True, kw_only=True)
 class BlockTransfer:
-    """Blocks of one group of one request: ``keys[i]`` <-> engine block ``block_ids[i]``."""
+    """Blocks of one group of one request: ``block_hashes[i]`` <-> engine ``block_ids[i]``."""
 
     group_id: int
-    keys: tuple[StoreKey, ...]
+    block_hashes: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
     block_indices: tuple[int, ...]
     """Position of each block in the group (block i = tokens [i * bs, (i + 1) * bs))."""
 
     def __post_init__(self) -> None:
-        assert len(self.keys) == len(self.block_ids) == len(self.block_indices), self
+        assert len(self.block_hashes) == len(self.block_ids) == len(self.block_indices), self
         assert 0 not in self.block_ids, "the null block is never transferred"
 
 
@@ -32,15 +43,14 @@ class BlockTransfer:
 class LoadSpec:
     """Load a request's stored blocks so it can resume at ``num_tokens``.
 
-    ``fallback_tokens`` is where it resumes if any block fails (the tokens the
-    engine already had before the load). An empty ``transfers`` with
-    ``planned=False`` is a load the scheduler could not plan: it is reported
+    ``base_tokens`` is what the engine had before the load. ``planned=False``
+    (no transfers) is a load the scheduler could not plan: workers report it
     failed at once so the engine recomputes.
     """
 
     req_id: str
     num_tokens: int
-    fallback_tokens: int
+    base_tokens: int
     transfers: tuple[BlockTransfer, ...]
     planned: bool = True
     tier_index: int | None = None
@@ -58,7 +68,7 @@ class StoreSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ConnectorMetadata:
-    """One step's instructions for the worker side."""
+    """One step's instructions for every worker."""
 
     loads: tuple[LoadSpec, ...] = ()
     stores: tuple[StoreSpec, ...] = ()
@@ -70,47 +80,61 @@ class ConnectorMetadata:
         return not (self.loads or self.stores or self.cancelled_req_ids)
 
 
+class LoadOutcome(enum.Enum):
+    """How one rank's load of one request ended."""
+
+    OK = "ok"
+    FAILED = "failed"
+    """Some blocks were missing, corrupt or unreadable; their KV was not written."""
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    """The request was preempted or finished first."""
+    UNPLANNED = "unplanned"
+    """The scheduler could not plan it; nothing was loaded."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadResult:
-    """How one request's load ended."""
+    """How one request's load ended on one rank."""
 
     req_id: str
+    outcome: LoadOutcome
     failed_block_ids: tuple[tuple[int, ...], ...] = ()
-    """Per group, engine block ids that were not loaded (all empty when all loaded)."""
-    timed_out: bool = False
-    cancelled: bool = False
-    unplanned: bool = False
-    """The scheduler could not plan it: nothing was loaded."""
+    """Per group, engine block ids whose KV was not written (every block of the load
+    unless the outcome is OK or FAILED)."""
 
     @property
     def ok(self) -> bool:
-        failed = self.timed_out or self.cancelled or self.unplanned
-        return not failed and not any(self.failed_block_ids)
+        return self.outcome is LoadOutcome.OK
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankReport:
+    """What one worker (tensor-parallel rank) finished since its last report."""
+
+    tp_rank: int
+    finished_loads: tuple[LoadResult, ...] = ()
+    stored: tuple[BlockRef, ...] = ()
+    """Blocks now held by this rank's tiers (stored, or already present)."""
+    missing: tuple[BlockRef, ...] = ()
+    """Blocks a load found missing or corrupt: lookups must stop offering them."""
+    dropped: tuple[BlockRef, ...] = ()
+    """Blocks a store skipped (backpressure, a full or failing tier): store them again."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_loads or self.stored or self.missing or self.dropped)
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerReport:
-    """What the worker side finished since its last report."""
+    """The reports of one or several ranks, on their way to the scheduler."""
 
-    finished_loads: tuple[LoadResult, ...] = ()
-    stored_keys: tuple[StoreKey, ...] = ()
-    """Keys now held by the worker's tiers (stored, or already present)."""
-    missing_keys: tuple[StoreKey, ...] = ()
-    """Keys a load found missing or corrupt: lookups must stop offering them."""
-    dropped_keys: tuple[StoreKey, ...] = ()
-    """Keys a store skipped (backpressure, a full or failing tier): send them again."""
+    ranks: tuple[RankReport, ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not (
-            self.finished_loads or self.stored_keys or self.missing_keys or self.dropped_keys
-        )
+        return all(r.is_empty for r in self.ranks)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
-        """Combine the reports of several workers (tensor-parallel ranks)."""
-        return WorkerReport(
-            finished_loads=self.finished_loads + other.finished_loads,
-            stored_keys=self.stored_keys + other.stored_keys,
-            missing_keys=self.missing_keys + other.missing_keys,
-            dropped_keys=self.dropped_keys + other.dropped_keys,
-        )
+        return WorkerReport(ranks=self.ranks + other.ranks)

@@ -16,7 +16,7 @@ from hybridkv.tiers.tiered.store import TieredStore
 
 
 class RoutedStore(Tier):
-    def __init__(self, store: Tier) -> None:
+    def __init__(self, store: TieredStore) -> None:
         self.store = store
         self.name = store.name
         self.load_weight = store.load_weight
@@ -24,8 +24,6 @@ class RoutedStore(Tier):
         self._lock = threading.Lock()
 
     def route(self, keys: Sequence[StoreKey], tier_index: int) -> None:
-        if not isinstance(self.store, TieredStore):
-            return
         with self._lock:
             for key in keys:
                 self._routes[key] = tier_index
@@ -49,7 +47,7 @@ class RoutedStore(Tier):
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         with self._lock:
             routes = [self._routes.get(key) for key in keys]
-        if not isinstance(self.store, TieredStore) or all(r is None for r in routes):
+        if all(r is None for r in routes):
             return self.store.get_many_into(keys, buffers)
         statuses = [GetStatus.MISS] * len(keys)
         for tier_index in set(routes):

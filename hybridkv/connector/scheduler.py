@@ -2,66 +2,54 @@
 
 Scheduler process; never touches tensors. Per request it keeps the chained
 block hashes (extended as tokens arrive) and the engine's block ids per
-group. ``lookup`` finds the longest hit every group can resume from;
-``allocated`` turns it into per-group load transfers once the engine has
-allocated blocks; ``build_metadata`` adds, each step, the blocks of every
-group completed by that step's tokens so the worker stores them before the
-engine can free or reuse them. ``process_report`` takes the worker's results.
+group. ``lookup`` finds the longest hit every group can resume from, over
+every rank's tiers and the blocks still being stored; ``allocated`` turns it
+into per-group load transfers once the engine has allocated blocks;
+``build_metadata`` adds, each step, the blocks of every group completed by
+that step's tokens, so the workers store them before the engine can free or
+reuse them. ``process_report`` takes the workers' results.
+
+Read-your-writes: a block sent for storing counts as stored for lookups
+until a worker reports it dropped, so a request that follows the one that
+computed it hits at once; the worker loads it only after its store is done.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from hybridkv.connector.lookup import BoundedKeySet, KeyLookup
 from hybridkv.connector.metadata import (
+    BlockRef,
     BlockTransfer,
     ConnectorMetadata,
+    LoadOutcome,
     LoadResult,
     LoadSpec,
+    RankReport,
     StoreSpec,
     WorkerReport,
 )
-from hybridkv.connector.rules import load_indices, needs_every_block, resume_tokens, store_indices
-from hybridkv.connector.steps import (
-    LoadOutcome,
-    LookupResult,
-    ScheduledRequest,
-    SchedulerStats,
-    StepInput,
-)
-from hybridkv.connector.views import BoundedKeySet, KeyLookup
+from hybridkv.connector.requests import GroupBlockTable, RequestState
+from hybridkv.connector.stats import SchedulerStats
+from hybridkv.connector.steps import LookupResult, ScheduledRequest, StepInput
 from hybridkv.hits import Hit, find_longest_hit
-from hybridkv.keys import HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
-from hybridkv.planner import GroupBlockTable
+from hybridkv.keys import BlockHash, HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.spec import KVLayoutSpec
+from hybridkv.spec.kinds import rules_for
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
 
 logger = logging.getLogger(__name__)
 
-RECENT_STORE_KEYS = 1 << 16
-"""Keys sent for storing recently: not sent again while remembered."""
-
-
-@dataclass(kw_only=True)
-class _Request:
-    hasher: RequestBlockHasher
-    table: GroupBlockTable
-    hit: Hit | None = None
-    hit_base_tokens: int = 0
-    hit_tier: int | None = None
-    load: LoadSpec | None = None
-    """The load sent to the worker and not yet reported."""
-    loads_disabled: bool = False
-    finished: bool = False
-    cacheable: bool = True
-
-
-@dataclass(kw_only=True)
-class _Pending:
-    loads: list[LoadSpec] = field(default_factory=list)
-    cancelled: set[str] = field(default_factory=set)
+RECENT_STORES = 1 << 16
+"""Blocks sent for storing recently: not sent again while remembered."""
+MAX_LOAD_ATTEMPTS = 2
+"""A request whose loads failed this often is recomputed without asking again."""
+_RETRY = frozenset({LoadOutcome.FAILED, LoadOutcome.CANCELLED})
+"""Outcomes after which a new lookup may still find a (shorter) usable hit: the blocks
+that failed are no longer offered."""
 
 
 class ConnectorScheduler:
@@ -77,21 +65,29 @@ class ConnectorScheduler:
         selection: Selection = Selection.PER_BLOCK,
         tp_size: int = 1,
         use_eagle: bool = False,
+        eagle_group_ids: frozenset[int] | None = None,
     ) -> None:
+        if lookup.num_ranks != tp_size:
+            raise ValueError(f"the lookup answers for {lookup.num_ranks} ranks, not {tp_size}")
         self.layout = layout
         self.lookup_view = lookup
         self.selection = selection
         self.alignment_tokens = alignment_tokens or layout.scheduler_block_size
         self.hash_algo = hash_algo
+        self.tp_size = tp_size
         self.use_eagle = use_eagle
+        self.eagle_group_ids = eagle_group_ids
         self.builders = [
             KeyBuilder(layout, KeyNamespace.for_layout(layout, tp_rank=r, tp_size=tp_size))
             for r in range(tp_size)
         ]
         self.stats = SchedulerStats()
-        self._requests: dict[str, _Request] = {}
-        self._pending = _Pending()
-        self._recent_store_keys = BoundedKeySet(RECENT_STORE_KEYS)
+        self._requests: dict[str, RequestState] = {}
+        self._loads: list[LoadSpec] = []
+        self._cancelled: set[str] = set()
+        self._recent_stores: BoundedKeySet[BlockRef] = BoundedKeySet(RECENT_STORES)
+        self._storing: OrderedDict[BlockRef, int] = OrderedDict()
+        """Blocks sent for storing -> ranks that have not confirmed them yet."""
 
     # --- lookups and loads ---------------------------------------------------
 
@@ -121,24 +117,25 @@ class ConnectorScheduler:
     ) -> LookupResult:
         """Tokens beyond ``num_computed_tokens`` that can be loaded (the engine keeps >= 1)."""
         st = self._state(req_id, cache_salt, lora_name)
-        self._extend(st, token_ids, len(token_ids))
+        st.extend(token_ids, len(token_ids))
         st.hit = None
         max_hit_tokens = len(token_ids) - 1
-        blocked = st.loads_disabled or st.load is not None or not st.cacheable
-        if blocked or max_hit_tokens <= num_computed_tokens:
+        blocked = st.load is not None or not st.cacheable
+        if blocked or st.num_failed_loads >= MAX_LOAD_ATTEMPTS:
+            return LookupResult(0, False)
+        if max_hit_tokens <= num_computed_tokens:
             return LookupResult(0, False)
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(token_ids) - num_computed_tokens
         hit, tier_index = self._find_hit(st, max_hit_tokens)
         if hit.num_tokens <= num_computed_tokens:
-            self.stats.misses += 1
             return LookupResult(0, False)
         st.hit, st.hit_base_tokens, st.hit_tier = hit, num_computed_tokens, tier_index
-        self.stats.hits += 1
+        self.stats.lookup_hits += 1
         self.stats.hit_tokens += hit.num_tokens - num_computed_tokens
         return LookupResult(hit.num_tokens - num_computed_tokens, True)
 
-    def _find_hit(self, st: _Request, max_hit_tokens: int) -> tuple[Hit, int | None]:
+    def _find_hit(self, st: RequestState, max_hit_tokens: int) -> tuple[Hit, int | None]:
         """The longest hit over all tiers, or (whole request) from the best single tier."""
         if self.selection is Selection.PER_BLOCK or self.lookup_view.num_tiers == 1:
             return self._search(st, max_hit_tokens, None), None
@@ -151,14 +148,24 @@ class ConnectorScheduler:
         )
         return (hits[0], None) if best is None else (hits[best], best)
 
-    def _search(self, st: _Request, max_hit_tokens: int, tier_index: int | None) -> Hit:
-        hashes = st.hasher.block_hashes
+    def _search(self, st: RequestState, max_hit_tokens: int, tier_index: int | None) -> Hit:
+        chain = st.hasher.block_hashes
+        # Blocks being stored land in the first tier first.
+        count_storing = tier_index in (None, 0)
 
         def contains(group_id: int, indices: Sequence[int]) -> list[bool]:
-            keys = [k for b in self.builders for k in b.keys(group_id, hashes, indices)]
-            found = self.lookup_view.contains_many(keys, tier_index=tier_index)
-            n = len(indices)
-            return [all(found[r * n + i] for r in range(len(self.builders))) for i in range(n)]
+            hashes = self.builders[0].block_hashes(group_id, chain, indices)
+            storing = [count_storing and BlockRef(group_id, h) in self._storing for h in hashes]
+            found = [True] * len(hashes)
+            for rank, builder in enumerate(self.builders):
+                todo = [i for i, s in enumerate(storing) if not s and found[i]]
+                if not todo:
+                    break
+                keys = builder.keys_of(group_id, (hashes[i] for i in todo))
+                answers = self.lookup_view.contains_many(keys, rank=rank, tier_index=tier_index)
+                for i, hit in zip(todo, answers, strict=True):
+                    found[i] = hit
+            return found
 
         return find_longest_hit(
             self.layout.groups,
@@ -166,6 +173,7 @@ class ConnectorScheduler:
             contains,
             alignment_tokens=self.alignment_tokens,
             use_eagle=self.use_eagle,
+            eagle_group_ids=self.eagle_group_ids,
         )
 
     def allocated(
@@ -178,10 +186,9 @@ class ConnectorScheduler:
                 st.hit = None
             return
         base, hit = st.hit_base_tokens, st.hit
-        target = base + num_external_tokens
-        spec = self._plan_load(req_id, st, block_ids, base, target, hit)
-        st.hit, st.load = None, spec
-        self._pending.loads.append(spec)
+        spec = self._plan_load(req_id, st, block_ids, base, base + num_external_tokens, hit)
+        st.hit, st.load, st.load_results = None, spec, {}
+        self._loads.append(spec)
         if spec.planned:
             self.stats.loads_planned += 1
         else:
@@ -190,14 +197,14 @@ class ConnectorScheduler:
     def _plan_load(
         self,
         req_id: str,
-        st: _Request,
+        st: RequestState,
         block_ids: Sequence[Sequence[int]],
         base: int,
         target: int,
         hit: Hit | None,
     ) -> LoadSpec:
         unplanned = LoadSpec(
-            req_id=req_id, num_tokens=target, fallback_tokens=base, transfers=(), planned=False
+            req_id=req_id, num_tokens=target, base_tokens=base, transfers=(), planned=False
         )
         if hit is None or hit.num_tokens != target or len(block_ids) != self.layout.num_groups:
             logger.warning(
@@ -209,12 +216,12 @@ class ConnectorScheduler:
             )
             return unplanned
         transfers: list[BlockTransfer] = []
-        hashes = st.hasher.block_hashes
         for group_id, group in enumerate(self.layout.groups):
             ids = block_ids[group_id]
-            indices = load_indices(group, hit.blocks_to_load[group_id], base)
+            first = base // group.block_size  # the engine holds the blocks before
+            indices = [i for i in hit.blocks_to_load[group_id] if i >= first]
             missing = [i for i in indices if i >= len(ids) or ids[i] == 0]
-            if missing and needs_every_block(group.kind):
+            if missing and rules_for(group.kind).needs_every_block:
                 logger.warning(
                     "request %s: group %d needs blocks %s the engine did not allocate; "
                     "recomputing instead",
@@ -225,19 +232,12 @@ class ConnectorScheduler:
                 return unplanned
             kept = [i for i in indices if i not in missing]
             if kept:
-                keys = self.builders[0].keys(group_id, hashes, kept)
-                transfers.append(
-                    BlockTransfer(
-                        group_id=group_id,
-                        keys=tuple(keys),
-                        block_ids=tuple(ids[i] for i in kept),
-                        block_indices=tuple(kept),
-                    )
-                )
+                hashes = self.builders[0].block_hashes(group_id, st.hasher.block_hashes, kept)
+                transfers.append(_transfer(group_id, hashes, [ids[i] for i in kept], kept))
         return LoadSpec(
             req_id=req_id,
             num_tokens=target,
-            fallback_tokens=base,
+            base_tokens=base,
             transfers=tuple(transfers),
             tier_index=st.hit_tier,
         )
@@ -252,14 +252,14 @@ class ConnectorScheduler:
                 st.table.clear()
                 st.hit = None
                 if st.load is not None:
-                    self._pending.cancelled.add(req_id)
+                    self._cancelled.add(req_id)
         stores = [s for r in step.scheduled if (s := self._plan_stores(r)) is not None]
         meta = ConnectorMetadata(
-            loads=tuple(self._pending.loads),
+            loads=tuple(self._loads),
             stores=tuple(stores),
-            cancelled_req_ids=frozenset(self._pending.cancelled),
+            cancelled_req_ids=frozenset(self._cancelled),
         )
-        self._pending = _Pending()
+        self._loads, self._cancelled = [], set()
         return meta
 
     def _plan_stores(self, req: ScheduledRequest) -> StoreSpec | None:
@@ -273,29 +273,29 @@ class ConnectorScheduler:
         end = min(start + req.num_scheduled_tokens, len(req.token_ids))
         if end <= start or not st.cacheable:
             return None
-        self._extend(st, req.token_ids, end)
-        hashes = st.hasher.block_hashes
+        st.extend(req.token_ids, end)
         transfers: list[BlockTransfer] = []
         for group_id, group in enumerate(self.layout.groups):
-            ids = st.table.group_block_ids(group_id)
-            indices = [
-                i
-                for i in store_indices(group, start, end, self.alignment_tokens)
-                if i < len(ids) and ids[i] != 0
-            ]
+            ids = st.table.block_ids[group_id]
+            stored = rules_for(group.kind).stored_blocks(group, start, end, self.alignment_tokens)
+            indices = [i for i in stored if i < len(ids) and ids[i] != 0]
             if not indices:
                 continue
-            keys = self.builders[0].keys(group_id, hashes, indices)
-            fresh = [n for n, key in enumerate(keys) if key not in self._recent_store_keys]
+            hashes = self.builders[0].block_hashes(group_id, st.hasher.block_hashes, indices)
+            fresh = [
+                n for n, h in enumerate(hashes) if BlockRef(group_id, h) not in self._recent_stores
+            ]
             if not fresh:
                 continue
-            self._recent_store_keys.add_many(keys[n] for n in fresh)
+            refs = [BlockRef(group_id, hashes[n]) for n in fresh]
+            self._recent_stores.add_many(refs)
+            self._note_storing(refs)
             transfers.append(
-                BlockTransfer(
-                    group_id=group_id,
-                    keys=tuple(keys[n] for n in fresh),
-                    block_ids=tuple(ids[indices[n]] for n in fresh),
-                    block_indices=tuple(indices[n] for n in fresh),
+                _transfer(
+                    group_id,
+                    [hashes[n] for n in fresh],
+                    [ids[indices[n]] for n in fresh],
+                    [indices[n] for n in fresh],
                 )
             )
             self.stats.store_blocks_planned += len(fresh)
@@ -303,39 +303,64 @@ class ConnectorScheduler:
             return None
         return StoreSpec(req_id=req.req_id, transfers=tuple(transfers))
 
+    def _note_storing(self, refs: Sequence[BlockRef]) -> None:
+        for ref in refs:
+            self._storing[ref] = self.tp_size
+            self._storing.move_to_end(ref)
+        while len(self._storing) > RECENT_STORES:
+            self._storing.popitem(last=False)
+
     # --- results and the end of a request --------------------------------------
 
-    def process_report(self, report: WorkerReport) -> list[LoadOutcome]:
-        """Take the worker's results; returns how each finished load ended."""
-        self.lookup_view.on_stored(report.stored_keys)
-        self.lookup_view.on_missing(report.missing_keys)
-        # Dropped or lost blocks may be stored again when a request computes them.
-        self._recent_store_keys.discard_many(report.dropped_keys)
-        self._recent_store_keys.discard_many(report.missing_keys)
-        return [self._finish_load(result) for result in report.finished_loads]
+    def process_report(self, report: WorkerReport) -> None:
+        """Take the workers' results (any number of ranks, in any order)."""
+        for rank_report in report.ranks:
+            self._process_rank(rank_report)
 
-    def _finish_load(self, result: LoadResult) -> LoadOutcome:
+    def _process_rank(self, report: RankReport) -> None:
+        if not 0 <= report.tp_rank < self.tp_size:
+            raise ValueError(f"report of rank {report.tp_rank}; ranks are 0..{self.tp_size - 1}")
+        builder = self.builders[report.tp_rank]
+        self.lookup_view.on_stored([builder.key(*ref) for ref in report.stored])
+        self.lookup_view.on_missing([builder.key(*ref) for ref in report.missing])
+        for ref in report.stored:
+            left = self._storing.get(ref)
+            if left is not None and left <= 1:
+                del self._storing[ref]
+            elif left is not None:
+                self._storing[ref] = left - 1
+        # Dropped or lost blocks may be stored again when a request computes them.
+        for ref in (*report.dropped, *report.missing):
+            self._storing.pop(ref, None)
+        self._recent_stores.discard_many(report.dropped)
+        self._recent_stores.discard_many(report.missing)
+        for result in report.finished_loads:
+            self._finish_load(report.tp_rank, result)
+
+    def _finish_load(self, tp_rank: int, result: LoadResult) -> None:
         st = self._requests.get(result.req_id)
-        spec = None if st is None else st.load
-        if st is None or spec is None:
-            return LoadOutcome(result.req_id, 0, result.ok)
-        st.load = None
-        num_tokens = resume_tokens(self.layout, spec, result, self.alignment_tokens)
-        if result.ok:
-            self.stats.loads_ok += 1
-        else:
-            self.stats.loads_failed += 1
-            st.loads_disabled = True  # a retry could only fail the same way
+        if st is None or st.load is None:
+            return
+        st.load_results[tp_rank] = result
+        if len(st.load_results) < self.tp_size:
+            return  # the other ranks are still loading
+        spec, results = st.load, st.load_results
+        st.load, st.load_results = None, {}
+        outcomes = sorted({r.outcome.value for r in results.values()})
+        if outcomes != [LoadOutcome.OK.value]:
+            st.num_failed_loads += 1
+            retry = all(r.ok or r.outcome in _RETRY for r in results.values())
+            if not retry:
+                st.num_failed_loads = MAX_LOAD_ATTEMPTS
             logger.warning(
-                "request %s: load of %d tokens failed%s; resuming at %d",
+                "request %s: load of %d tokens ended %s; the engine recomputes%s",
                 result.req_id,
-                spec.num_tokens,
-                " (timed out)" if result.timed_out else "",
-                num_tokens,
+                spec.num_tokens - spec.base_tokens,
+                "/".join(outcomes),
+                " (a later lookup may find a shorter hit)" if retry else "",
             )
         if st.finished:
             del self._requests[result.req_id]
-        return LoadOutcome(result.req_id, num_tokens, result.ok)
 
     def request_finished(self, req_id: str) -> bool:
         """The request is done. True: keep its blocks until its load is reported."""
@@ -344,18 +369,54 @@ class ConnectorScheduler:
             return False
         if st.load is not None:
             st.finished = True
-            self._pending.cancelled.add(req_id)
+            self._cancelled.add(req_id)
             return True
         del self._requests[req_id]
         return False
+
+    def hit_sources(self, req_id: str) -> dict[int, int]:
+        """Tokens of the load just planned for ``req_id``, by the tier (index) serving them.
+
+        Each block goes to the cheapest tier holding it (blocks still being
+        stored to the first tier); a load's tokens are split in proportion to
+        the bytes each tier serves. Costs one lookup per tier (for metrics).
+        """
+        st = self._requests.get(req_id)
+        spec = None if st is None else st.load
+        if spec is None or not spec.planned or spec.num_tokens <= spec.base_tokens:
+            return {}
+        num_tokens = spec.num_tokens - spec.base_tokens
+        if spec.tier_index is not None:
+            return {spec.tier_index: num_tokens}
+        view = self.lookup_view
+        order = sorted(range(view.num_tiers), key=lambda i: (view.load_weights[i], i))
+        served = [0] * view.num_tiers
+        for t in spec.transfers:
+            block_bytes = self.layout.groups[t.group_id].block_bytes
+            todo = [h for h in t.block_hashes if BlockRef(t.group_id, h) not in self._storing]
+            served[0] += (len(t.block_hashes) - len(todo)) * block_bytes
+            for tier in order:
+                if not todo:
+                    break
+                keys = self.builders[0].keys_of(t.group_id, todo)
+                found = view.contains_many(keys, rank=0, tier_index=tier)
+                served[tier] += sum(found) * block_bytes
+                todo = [h for h, hit in zip(todo, found, strict=True) if not hit]
+            served[order[0]] += len(todo) * block_bytes  # gone since the lookup: unknown
+        return _split(num_tokens, served)
 
     @property
     def num_requests(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_blocks_storing(self) -> int:
+        """Blocks sent for storing that some rank has not confirmed yet."""
+        return len(self._storing)
+
     # --- helpers ---------------------------------------------------------------
 
-    def _state(self, req_id: str, cache_salt: str | None, lora_name: str | None) -> _Request:
+    def _state(self, req_id: str, cache_salt: str | None, lora_name: str | None) -> RequestState:
         st = self._requests.get(req_id)
         if st is None:
             hasher = RequestBlockHasher(
@@ -364,12 +425,29 @@ class ConnectorScheduler:
                 cache_salt=cache_salt,
                 lora_name=lora_name,
             )
-            st = _Request(hasher=hasher, table=GroupBlockTable(self.layout.num_groups))
+            st = RequestState(hasher=hasher, table=GroupBlockTable(self.layout.num_groups))
             self._requests[req_id] = st
         return st
 
-    @staticmethod
-    def _extend(st: _Request, token_ids: Sequence[int], end: int) -> None:
-        have = st.hasher.num_tokens
-        if end > have:
-            st.hasher.extend(token_ids[have:end])
+
+def _split(total: int, weights: Sequence[int]) -> dict[int, int]:
+    """``total`` split in proportion to ``weights`` (largest remainders), summing exactly."""
+    weight = sum(weights)
+    if weight == 0:
+        return {0: total}
+    shares = [total * w // weight for w in weights]
+    by_remainder = sorted(range(len(weights)), key=lambda i: -(total * weights[i] % weight))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return {i: share for i, share in enumerate(shares) if share}
+
+
+def _transfer(
+    group_id: int, hashes: Sequence[BlockHash], block_ids: Sequence[int], indices: Sequence[int]
+) -> BlockTransfer:
+    return BlockTransfer(
+        group_id=group_id,
+        block_hashes=tuple(hashes),
+        block_ids=tuple(block_ids),
+        block_indices=tuple(indices),
+    )

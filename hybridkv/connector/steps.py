@@ -1,7 +1,7 @@
-"""What an engine tells the scheduler side each step, and what it gets back.
+"""What an engine tells the scheduler side about each step, and the lookup answer.
 
-Plain data, scheduler process; the engine adapter (``hybridkv.vllm`` for
-vLLM) fills these from its own request and scheduler-output types.
+Plain data, scheduler process; an engine adapter (``hybridkv.integrations``)
+fills these from its own request and scheduler-output types.
 """
 
 from __future__ import annotations
@@ -16,13 +16,6 @@ class LookupResult(NamedTuple):
     """Tokens to load beyond what the engine already computed (0: nothing)."""
     is_async: bool
     """Always True when ``num_tokens`` > 0: loads finish between steps."""
-
-
-class LoadOutcome(NamedTuple):
-    req_id: str
-    num_tokens: int
-    """Where the request resumes: the planned count, or less after failures."""
-    ok: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,23 +38,3 @@ class ScheduledRequest:
 class StepInput:
     scheduled: Sequence[ScheduledRequest] = ()
     preempted_req_ids: frozenset[str] = frozenset()
-
-
-@dataclass(kw_only=True)
-class SchedulerStats:
-    """Monotonic counters of the scheduler side."""
-
-    lookups: int = 0
-    lookup_tokens: int = 0
-    """Tokens asked about (beyond what the engine had)."""
-    hits: int = 0
-    hit_tokens: int = 0
-    misses: int = 0
-    loads_planned: int = 0
-    loads_unplanned: int = 0
-    loads_ok: int = 0
-    loads_failed: int = 0
-    store_blocks_planned: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))

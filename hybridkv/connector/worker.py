@@ -1,8 +1,10 @@
 """Worker side of the connector: executes the scheduler's loads and stores.
 
-Worker process (the one that owns the KV tensors); never decides what to
-move. Loads run asynchronously on the transfer engine and are reported once
-every block of the request has arrived, failed or timed out. Stores are
+Worker process (one per tensor-parallel rank; it owns that rank's KV tensors
+and tiers); never decides what to move. It names blocks in its own rank's
+key namespace. Loads run asynchronously on the transfer engine and are
+reported once every block of the request has arrived, failed or timed out; a
+load of a block this worker is still storing waits for that store. Stores are
 gathered from the KV tensors during ``save`` (the step that computed them,
 before the engine can free or reuse the blocks) and written to the tiers in
 the background; a store that cannot be queued is dropped and reported.
@@ -12,26 +14,40 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.metadata import (
+    BlockRef,
     BlockTransfer,
     ConnectorMetadata,
+    LoadOutcome,
     LoadResult,
     LoadSpec,
+    RankReport,
     StoreSpec,
     WorkerReport,
 )
 from hybridkv.connector.routing import RoutedStore
-from hybridkv.keys import KeyNamespace
+from hybridkv.connector.setup import EngineFacts, build_store
+from hybridkv.connector.stats import WorkerStats
+from hybridkv.keys import KeyBuilder, KeyNamespace
 from hybridkv.layout import CanonicalKVCaches, canonicalize
 from hybridkv.spec import KVLayoutSpec
-from hybridkv.tiers.base import StoreKey, Tier
+from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.tiered.store import TieredStore
-from hybridkv.transfer import JobId, JobResult, TransferConfig, TransferEngine, TransferPart
+from hybridkv.transfer import (
+    JobId,
+    JobOutcome,
+    JobResult,
+    TransferConfig,
+    TransferEngine,
+    TransferPart,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,45 +55,32 @@ JOB_SHARE = 4
 """A job takes at most 1/JOB_SHARE of the staging arena, so several fit at once."""
 
 
-@dataclass(kw_only=True)
-class WorkerStats:
-    """Monotonic counters of the worker side (the tiers and transfers count their own)."""
+@dataclass(frozen=True)
+class _Part:
+    """One transfer job's blocks of one group, with the names the scheduler gave them."""
 
-    loads: int = 0
-    loads_ok: int = 0
-    loads_failed: int = 0
-    loads_timed_out: int = 0
-    loads_cancelled: int = 0
-    load_blocks: int = 0
-    load_failed_blocks: int = 0
-    load_latency_s_sum: float = 0.0
-    load_latency_s_max: float = 0.0
-    store_blocks: int = 0
-    store_blocks_dropped: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        return dict(vars(self))
+    part: TransferPart
+    refs: tuple[BlockRef, ...]
 
 
 @dataclass(kw_only=True)
 class _Load:
     spec: LoadSpec
     started: float
-    parts: list[tuple[TransferPart, ...]]
-    """Jobs not submitted yet (staging was full)."""
+    parts: list[_Part]
+    """Jobs not submitted yet (staging full, or a store of their blocks in flight)."""
     jobs: set[JobId] = field(default_factory=set)
     failed: dict[int, list[int]] = field(default_factory=dict)
-    timed_out: bool = False
-    cancelled: bool = False
+    outcome: LoadOutcome = LoadOutcome.OK
 
 
 class ConnectorWorker:
-    """Engine-neutral worker side; call its methods from one thread."""
+    """Engine-neutral worker side of one rank; call its methods from one thread."""
 
     def __init__(
         self,
         layout: KVLayoutSpec,
-        store: Tier,
+        store: TieredStore,
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -86,20 +89,20 @@ class ConnectorWorker:
         self.layout = layout
         self.store = store
         self.routed = RoutedStore(store)
+        self.tp_rank = tp_rank
+        self.keys = KeyBuilder(
+            layout, KeyNamespace.for_layout(layout, tp_rank=tp_rank, tp_size=tp_size)
+        )
         self.transfer_config = transfer_config or TransferConfig()
-        self.stats = WorkerStats()
+        self.stats = WorkerStats.for_groups(layout.num_groups)
         self.caches: CanonicalKVCaches | None = None
         self.engine: TransferEngine | None = None
-        base = KeyNamespace.for_layout(layout, tp_rank=0, tp_size=tp_size).prefix
-        own = KeyNamespace.for_layout(layout, tp_rank=tp_rank, tp_size=tp_size).prefix
-        self._rank_prefixes = (base, own)
         self._loads: dict[str, _Load] = {}
-        self._job_loads: dict[JobId, str] = {}
-        self._job_stores: dict[JobId, tuple[TransferPart, ...]] = {}
-        self._stored: list[StoreKey] = []
-        self._missing: list[StoreKey] = []
-        self._dropped: list[StoreKey] = []
-        self._finished: list[LoadResult] = []
+        self._job_loads: dict[JobId, tuple[str, _Part]] = {}
+        self._job_stores: dict[JobId, tuple[_Part, ...]] = {}
+        self._storing: Counter[StoreKey] = Counter()
+        """Keys of store jobs in flight (a load of them waits)."""
+        self._report = _ReportBuilder(tp_rank)
 
     # --- set-up ----------------------------------------------------------------
 
@@ -112,7 +115,7 @@ class ConnectorWorker:
             raise RuntimeError("KV caches are already registered")
         self.caches = caches
         self.engine = TransferEngine(caches, self.routed, self.transfer_config)
-        logger.info("worker KV caches: %s", caches.describe())
+        logger.info("worker KV caches (rank %d): %s", self.tp_rank, caches.describe())
         return caches
 
     # --- every step ----------------------------------------------------------------
@@ -124,34 +127,36 @@ class ConnectorWorker:
             load = self._loads.get(req_id)
             if load is None:
                 continue
-            load.cancelled = True
+            load.outcome = LoadOutcome.CANCELLED
             self._drop_parts(load)
             for job_id in list(load.jobs):
                 engine.cancel(job_id)  # False: it is scattering; its result comes anyway
 
     def start_loads(self, loads: Sequence[LoadSpec]) -> None:
-        """Submit new loads, and retry parts that found staging full last time."""
+        """Submit new loads, and retry parts that had to wait last time."""
         now = time.monotonic()
         for spec in loads:
-            self.stats.loads += 1
-            load = _Load(spec=spec, started=now, parts=self._load_jobs(spec))
+            outcome = LoadOutcome.OK if spec.planned else LoadOutcome.UNPLANNED
+            load = _Load(spec=spec, started=now, parts=self._split(spec.transfers), outcome=outcome)
+            if spec.tier_index is not None:
+                for p in load.parts:
+                    self.routed.route(p.part.keys, spec.tier_index)
             self._loads[spec.req_id] = load
-        for load in list(self._loads.values()):
-            self._submit_load_parts(load, now)
+        self._submit_waiting(now)
 
     def save(self, stores: Sequence[StoreSpec]) -> None:
         """Gather this step's blocks now; the tiers are written in the background."""
         engine = self._engine()
         for spec in stores:
-            for parts in self._split(spec.transfers):
-                n = sum(len(p.block_ids) for p in parts)
-                job_id = engine.submit_store(parts)
+            for p in self._split(spec.transfers):
+                counts = self.stats.groups[p.part.group_id]
+                job_id = engine.submit_store((p.part,))
                 if job_id is None:
-                    self.stats.store_blocks_dropped += n
-                    self._dropped += [self._base_key(k) for p in parts for k in p.keys]
+                    counts.store_dropped_blocks += len(p.refs)
+                    self._report.dropped += p.refs
                     continue
-                self.stats.store_blocks += n
-                self._job_stores[job_id] = parts
+                self._job_stores[job_id] = (p,)
+                self._storing.update(p.part.keys)
 
     def handle_metadata(self, meta: ConnectorMetadata) -> None:
         """Everything of one step at once (for engines without separate hooks)."""
@@ -160,25 +165,19 @@ class ConnectorWorker:
         self.save(meta.stores)
 
     def poll(self) -> WorkerReport:
-        """Collect finished jobs; report loads that are complete and keys stored."""
+        """Collect finished jobs; report loads that are complete and blocks stored."""
         if self.engine is not None:
             for result in self.engine.poll_finished():
                 self._on_result(result)
         now = time.monotonic()
+        self._submit_waiting(now)
         for req_id, load in list(self._loads.items()):
             if self._expired(load, now):
-                load.timed_out = True
+                load.outcome = LoadOutcome.TIMED_OUT
                 self._drop_parts(load)
             if not load.jobs and not load.parts:
                 self._finish(req_id, load, now)
-        report = WorkerReport(
-            finished_loads=tuple(self._finished),
-            stored_keys=tuple(self._stored),
-            missing_keys=tuple(self._missing),
-            dropped_keys=tuple(self._dropped),
-        )
-        self._finished, self._stored, self._missing, self._dropped = [], [], [], []
-        return report
+        return WorkerReport(ranks=(self._report.take(),))
 
     @property
     def num_loads_in_flight(self) -> int:
@@ -192,7 +191,13 @@ class ConnectorWorker:
         if self.engine is not None:
             self.engine.check_integrity()
         self.store.check_integrity()
-        assert set(self._job_loads.values()) <= set(self._loads), "job of an unknown load"
+        assert {r for r, _ in self._job_loads.values()} <= set(self._loads), (
+            "job of an unknown load"
+        )
+        storing = Counter(
+            k for parts in self._job_stores.values() for p in parts for k in p.part.keys
+        )
+        assert storing == +self._storing, "in-flight store keys out of sync"
         if not self._loads:
             assert self.routed.num_routes == 0, "tier routes of finished loads were kept"
 
@@ -208,46 +213,41 @@ class ConnectorWorker:
             raise RuntimeError("register the KV caches before moving blocks")
         return self.engine
 
-    def _own_key(self, key: StoreKey) -> StoreKey:
-        base, own = self._rank_prefixes
-        return key if base == own else StoreKey(own + key[len(base) :])
-
-    def _base_key(self, key: StoreKey) -> StoreKey:
-        base, own = self._rank_prefixes
-        return key if base == own else StoreKey(base + key[len(own) :])
-
-    def _split(self, transfers: Sequence[BlockTransfer]) -> list[tuple[TransferPart, ...]]:
+    def _split(self, transfers: Sequence[BlockTransfer]) -> list[_Part]:
         """Jobs of at most one part per group and 1/JOB_SHARE of the staging arena."""
         limit = max(self._engine().max_job_bytes // JOB_SHARE, 1)
-        jobs: list[tuple[TransferPart, ...]] = []
+        parts: list[_Part] = []
         for t in transfers:
             per_job = max(1, limit // self.layout.groups[t.group_id].block_bytes)
             for start in range(0, len(t.block_ids), per_job):
-                keys = [self._own_key(k) for k in t.keys[start : start + per_job]]
-                jobs.append((TransferPart(t.group_id, t.block_ids[start : start + per_job], keys),))
-        return jobs
+                hashes = t.block_hashes[start : start + per_job]
+                keys = self.keys.keys_of(t.group_id, hashes)
+                part = TransferPart(t.group_id, t.block_ids[start : start + per_job], keys)
+                parts.append(_Part(part, tuple(BlockRef(t.group_id, h) for h in hashes)))
+        return parts
 
-    def _load_jobs(self, spec: LoadSpec) -> list[tuple[TransferPart, ...]]:
-        jobs = self._split(spec.transfers)
-        if spec.tier_index is not None:
-            for parts in jobs:
-                self.routed.route([k for p in parts for k in p.keys], spec.tier_index)
-        return jobs
+    def _submit_waiting(self, now: float) -> None:
+        for load in list(self._loads.values()):
+            self._submit_load_parts(load, now)
 
     def _submit_load_parts(self, load: _Load, now: float) -> None:
         engine = self._engine()
-        while load.parts and not load.cancelled:
+        while load.parts and load.outcome is LoadOutcome.OK:
+            waiting = load.parts[0]
+            part = waiting.part
+            if any(key in self._storing for key in part.keys):
+                return  # read-your-writes: load once the store of these blocks is done
             deadline = load.started + (self.transfer_config.load_timeout_s or float("inf"))
-            job_id = engine.submit_load(load.parts[0], timeout_s=max(deadline - now, 1e-3))
+            job_id = engine.submit_load((part,), timeout_s=max(deadline - now, 1e-3))
             if job_id is None:
-                return  # staging full: retry next step
+                return  # staging full: retry later
             load.parts.pop(0)
             load.jobs.add(job_id)
-            self._job_loads[job_id] = load.spec.req_id
+            self._job_loads[job_id] = (load.spec.req_id, waiting)
 
     def _drop_parts(self, load: _Load) -> None:
         """Forget jobs never submitted (and their tier routes)."""
-        self.routed.unroute([k for parts in load.parts for p in parts for k in p.keys])
+        self.routed.unroute([k for p in load.parts for k in p.part.keys])
         load.parts.clear()
 
     def _expired(self, load: _Load, now: float) -> bool:
@@ -255,85 +255,100 @@ class ConnectorWorker:
         return bool(load.parts) and timeout is not None and now - load.started > timeout
 
     def _on_result(self, result: JobResult) -> None:
-        req_id = self._job_loads.pop(result.job_id, None)
-        if req_id is not None:
-            load = self._loads[req_id]
-            load.jobs.discard(result.job_id)
-            for group_id, ids in result.failed_block_ids.items():
-                if ids:
-                    load.failed.setdefault(group_id, []).extend(ids)
-            if result.error is not None and result.error.startswith("timed out"):
-                load.timed_out = True
-            elif not load.cancelled:
-                self._missing += self._keys_of(load.spec.transfers, result.failed_block_ids)
-            self.routed.unroute(self._keys_of(load.spec.transfers, result.failed_block_ids))
-            self.routed.unroute(self._keys_of(load.spec.transfers, result.ok_block_ids))
+        loading = self._job_loads.pop(result.job_id, None)
+        if loading is not None:
+            req_id, part = loading
+            self._on_load_result(self._loads[req_id], part, result)
             return
         parts = self._job_stores.pop(result.job_id, ())
-        self._stored += self._keys_of_parts(parts, result.ok_block_ids)
-        failed = self._keys_of_parts(parts, result.failed_block_ids)
-        self.stats.store_blocks_dropped += len(failed)
-        self._dropped += [self._base_key(k) for k in failed]
-
-    def _keys_of(
-        self, transfers: Sequence[BlockTransfer], block_ids: Mapping[int, Sequence[int]]
-    ) -> list[StoreKey]:
-        keys: list[StoreKey] = []
-        for t in transfers:
-            wanted = set(block_ids.get(t.group_id, ()))
-            keys += [
-                self._own_key(k) for k, b in zip(t.keys, t.block_ids, strict=True) if b in wanted
-            ]
-        return keys
-
-    @staticmethod
-    def _keys_of_parts(
-        parts: Sequence[TransferPart], block_ids: Mapping[int, Sequence[int]]
-    ) -> list[StoreKey]:
-        keys: list[StoreKey] = []
         for p in parts:
-            wanted = set(block_ids.get(p.group_id, ()))
-            keys += [k for k, b in zip(p.keys, p.block_ids, strict=True) if b in wanted]
-        return keys
+            self._storing.subtract(p.part.keys)
+            counts = self.stats.groups[p.part.group_id]
+            block_bytes = self.layout.groups[p.part.group_id].block_bytes
+            stored = _refs_of(p, result.ok_block_ids)
+            failed = _refs_of(p, result.failed_block_ids)
+            counts.stored_blocks += len(stored)
+            counts.stored_bytes += len(stored) * block_bytes
+            counts.store_dropped_blocks += len(failed)
+            self._report.stored += stored
+            self._report.dropped += failed
+        self._storing = +self._storing  # drop zero counts
+
+    def _on_load_result(self, load: _Load, part: _Part, result: JobResult) -> None:
+        load.jobs.discard(result.job_id)
+        for group_id, ids in result.failed_block_ids.items():
+            if ids:
+                load.failed.setdefault(group_id, []).extend(ids)
+        if result.outcome is JobOutcome.TIMED_OUT:
+            load.outcome = LoadOutcome.TIMED_OUT
+        elif not result.ok and load.outcome is LoadOutcome.OK:
+            load.outcome = LoadOutcome.FAILED
+        failed = _refs_of(part, result.failed_block_ids)
+        if load.outcome is LoadOutcome.FAILED:
+            self._report.missing += failed  # lookups stop offering them
+        self.routed.unroute(part.part.keys)
 
     def _finish(self, req_id: str, load: _Load, now: float) -> None:
         del self._loads[req_id]
         spec = load.spec
         failed = [tuple(load.failed.get(g, ())) for g in range(self.layout.num_groups)]
-        if load.timed_out or load.cancelled:
+        if load.outcome not in (LoadOutcome.OK, LoadOutcome.FAILED):
             # The whole load is abandoned: blocks that did arrive are not used either.
-            failed = [tuple(t.block_ids) for t in self._by_group(spec)]
-        result = LoadResult(
-            req_id=req_id,
-            failed_block_ids=tuple(failed),
-            timed_out=load.timed_out,
-            cancelled=load.cancelled,
-            unplanned=not spec.planned,
+            failed = [() for _ in range(self.layout.num_groups)]
+            for t in spec.transfers:
+                failed[t.group_id] = tuple(t.block_ids)
+        self._report.finished_loads.append(
+            LoadResult(req_id=req_id, outcome=load.outcome, failed_block_ids=tuple(failed))
         )
-        self._finished.append(result)
-        num_blocks = sum(len(t.block_ids) for t in spec.transfers)
-        self.stats.load_blocks += num_blocks
-        self.stats.load_failed_blocks += sum(len(ids) for ids in failed)
-        latency = now - load.started
-        self.stats.load_latency_s_sum += latency
-        self.stats.load_latency_s_max = max(self.stats.load_latency_s_max, latency)
-        if load.cancelled:
-            self.stats.loads_cancelled += 1
-        elif result.ok:
-            self.stats.loads_ok += 1
-            if spec.tier_index is not None and isinstance(self.store, TieredStore):
-                self.store.record_hit_tokens(
-                    spec.tier_index, spec.num_tokens - spec.fallback_tokens
-                )
-        else:
-            self.stats.loads_failed += 1
-            self.stats.loads_timed_out += int(load.timed_out)
-
-    def _by_group(self, spec: LoadSpec) -> list[BlockTransfer]:
-        empty = [
-            BlockTransfer(group_id=g, keys=(), block_ids=(), block_indices=())
-            for g in range(self.layout.num_groups)
-        ]
+        self.stats.loads[load.outcome] += 1
+        self.stats.add_load_seconds(now - load.started)
         for t in spec.transfers:
-            empty[t.group_id] = t
-        return empty
+            counts = self.stats.groups[t.group_id]
+            num_failed = len(failed[t.group_id])
+            num_loaded = len(t.block_ids) - num_failed
+            counts.loaded_blocks += num_loaded
+            counts.loaded_bytes += num_loaded * self.layout.groups[t.group_id].block_bytes
+            counts.load_failed_blocks += num_failed
+        if load.outcome is LoadOutcome.OK and spec.tier_index is not None:
+            self.store.record_hit_tokens(spec.tier_index, spec.num_tokens - spec.base_tokens)
+
+
+def _refs_of(p: _Part, block_ids: Mapping[int, Sequence[int]]) -> tuple[BlockRef, ...]:
+    wanted = set(block_ids.get(p.part.group_id, ()))
+    return tuple(ref for ref, b in zip(p.refs, p.part.block_ids, strict=True) if b in wanted)
+
+
+@dataclass
+class _ReportBuilder:
+    """What this rank finished since its last report."""
+
+    tp_rank: int
+    finished_loads: list[LoadResult] = field(default_factory=list)
+    stored: list[BlockRef] = field(default_factory=list)
+    missing: list[BlockRef] = field(default_factory=list)
+    dropped: list[BlockRef] = field(default_factory=list)
+
+    def take(self) -> RankReport:
+        report = RankReport(
+            tp_rank=self.tp_rank,
+            finished_loads=tuple(self.finished_loads),
+            stored=tuple(self.stored),
+            missing=tuple(self.missing),
+            dropped=tuple(self.dropped),
+        )
+        self.finished_loads, self.stored, self.missing, self.dropped = [], [], [], []
+        return report
+
+
+def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -> ConnectorWorker:
+    """Rank ``tp_rank``'s worker side over its own tiers."""
+    if not 0 <= tp_rank < facts.tp_size:
+        raise ValueError(f"tp_rank={tp_rank} is not a rank of tensor_parallel_size={facts.tp_size}")
+    store = build_store(config.for_rank(tp_rank, facts.tp_size), config)
+    return ConnectorWorker(
+        facts.layout,
+        store,
+        tp_rank=tp_rank,
+        tp_size=facts.tp_size,
+        transfer_config=TransferConfig(load_timeout_s=config.load_timeout_s),
+    )

@@ -3,6 +3,7 @@
 Pure data and pure functions; used by the scheduler side and the worker side.
 """
 
-from hybridkv.spec.groups import GroupKind, KVGroup, KVLayoutSpec, make_layer_names
+from hybridkv.spec.groups import KVGroup, KVLayoutSpec, make_layer_names
+from hybridkv.spec.kinds import GroupKind
 
 __all__ = ["GroupKind", "KVGroup", "KVLayoutSpec", "make_layer_names"]

@@ -8,7 +8,6 @@ own block size in tokens and its own page size (one layer's block, in bytes).
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import math
@@ -17,18 +16,10 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any
 
+from pydantic import StrictInt, StrictStr
 
-class GroupKind(enum.Enum):
-    """Which tokens a group needs to resume a request at a given length."""
-
-    FULL = "full"
-    """Every past token: a hit is a prefix."""
-    SLIDING_WINDOW = "sliding_window"
-    """Only the last ``sliding_window - 1`` tokens before the resume point."""
-    CHUNKED_LOCAL = "chunked_local"
-    """Only the tokens since the start of the current attention chunk."""
-    MAMBA = "mamba"
-    """Only the recurrent state after the last block."""
+from hybridkv.schema import CONFIG, parse
+from hybridkv.spec.kinds import GroupKind, rules_for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +30,14 @@ class KVGroup:
     ``page_size_bytes * num_layers`` bytes.
     """
 
+    __pydantic_config__ = CONFIG
+
     kind: GroupKind
-    block_size: int
-    page_size_bytes: int
-    layer_names: tuple[str, ...]
-    sliding_window: int | None = None
-    attention_chunk_size: int | None = None
+    block_size: StrictInt
+    page_size_bytes: StrictInt
+    layer_names: tuple[StrictStr, ...]
+    sliding_window: StrictInt | None = None
+    attention_chunk_size: StrictInt | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_names, str | bytes):
@@ -93,45 +86,9 @@ class KVGroup:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, where: str = "group") -> KVGroup:
-        allowed = {
-            "kind",
-            "block_size",
-            "page_size_bytes",
-            "layer_names",
-            "sliding_window",
-            "attention_chunk_size",
-        }
-        if not isinstance(data, dict):
-            raise ValueError(f"{where} must be an object, got {type(data).__name__}")
-        problems: list[str] = []
-        unknown = sorted(set(data) - allowed)
-        if unknown:
-            problems.append(f"unknown keys {unknown}; allowed: {sorted(allowed)}")
-        missing = sorted({"kind", "block_size", "page_size_bytes", "layer_names"} - set(data))
-        if missing:
-            problems.append(f"missing required keys {missing}")
-        kinds = [k.value for k in GroupKind]
-        if "kind" in data and data["kind"] not in kinds:
-            problems.append(f"kind={data['kind']!r} is not one of {kinds}")
-        names = data.get("layer_names")
-        if "layer_names" in data and (
-            not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names)
-        ):
-            problems.append(f"layer_names={names!r} must be a list of strings")
-        if problems:
-            raise ValueError(f"{where}: " + "; ".join(problems))
-        try:
-            return cls(
-                kind=GroupKind(data["kind"]),
-                block_size=data["block_size"],
-                page_size_bytes=data["page_size_bytes"],
-                layer_names=tuple(data["layer_names"]),
-                sliding_window=data.get("sliding_window"),
-                attention_chunk_size=data.get("attention_chunk_size"),
-            )
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{where}: {exc}") from None
+    def from_dict(cls, data: object, *, where: str = "group") -> KVGroup:
+        group: KVGroup = parse(cls, data, where=where)
+        return group
 
 
 def _positive_int(name: str, value: object) -> str | None:
@@ -154,25 +111,8 @@ def _group_problems(group: KVGroup) -> list[str]:
         problems.append("layer_names is empty; a group needs at least one layer")
     elif len(set(group.layer_names)) != len(group.layer_names):
         problems.append(f"layer_names {list(group.layer_names)} has duplicates")
-    window, chunk = group.sliding_window, group.attention_chunk_size
-    if group.kind is GroupKind.SLIDING_WINDOW:
-        problem = _positive_int("sliding_window", window)
-        if problem:
-            problems.append(problem + " (required for kind SLIDING_WINDOW)")
-    elif window is not None:
-        problems.append(f"sliding_window={window} is only allowed for kind SLIDING_WINDOW")
-    if group.kind is GroupKind.CHUNKED_LOCAL:
-        problem = _positive_int("attention_chunk_size", chunk)
-        if problem:
-            problems.append(problem + " (required for kind CHUNKED_LOCAL)")
-        elif (
-            isinstance(group.block_size, int) and group.block_size > 0 and chunk % group.block_size  # type: ignore[operator]
-        ):
-            problems.append(
-                f"attention_chunk_size={chunk} must be a multiple of block_size={group.block_size}"
-            )
-    elif chunk is not None:
-        problems.append(f"attention_chunk_size={chunk} is only allowed for kind CHUNKED_LOCAL")
+    if isinstance(group.kind, GroupKind):
+        problems += rules_for(group.kind).param_problems(group)
     return problems
 
 
@@ -186,10 +126,12 @@ class KVLayoutSpec:
       block size is a multiple of it (GCD by default).
     """
 
+    __pydantic_config__ = CONFIG
+
     groups: tuple[KVGroup, ...]
-    scheduler_block_size: int = 0
-    hash_block_size: int = 0
-    model_id: str = "model"
+    scheduler_block_size: StrictInt = 0
+    hash_block_size: StrictInt = 0
+    model_id: StrictStr = "model"
     _fingerprint: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -229,6 +171,8 @@ class KVLayoutSpec:
                         f"layer {layer!r} is in group {layer_owner[layer]} and group {group_id}"
                     )
                 layer_owner[layer] = group_id
+        if not isinstance(self.model_id, str) or not self.model_id:
+            problems.append(f"model_id={self.model_id!r} must be a non-empty string")
         if problems:
             raise ValueError("invalid KVLayoutSpec: " + "; ".join(problems))
         object.__setattr__(self, "_fingerprint", _fingerprint(self))
@@ -261,37 +205,10 @@ class KVLayoutSpec:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVLayoutSpec:
-        if not isinstance(data, dict):
-            raise ValueError(f"layout must be a JSON object, got {type(data).__name__}")
-        allowed = {"model_id", "scheduler_block_size", "hash_block_size", "groups"}
-        unknown = sorted(set(data) - allowed)
-        if unknown:
-            raise ValueError(f"layout: unknown keys {unknown}; allowed: {sorted(allowed)}")
-        raw_groups = data.get("groups")
-        if not isinstance(raw_groups, list) or not raw_groups:
-            raise ValueError("layout: 'groups' must be a non-empty list of group objects")
-        problems: list[str] = []
-        groups: list[KVGroup] = []
-        for i, raw in enumerate(raw_groups):
-            try:
-                groups.append(KVGroup.from_dict(raw, where=f"groups[{i}]"))
-            except (ValueError, TypeError) as exc:
-                problems.append(str(exc))
-        if problems:
-            raise ValueError("invalid layout: " + "; ".join(problems))
-        return cls(
-            groups=tuple(groups),
-            scheduler_block_size=data.get("scheduler_block_size", 0),
-            hash_block_size=data.get("hash_block_size", 0),
-            model_id=_model_id(data.get("model_id", "model")),
-        )
-
-
-def _model_id(value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"layout: model_id={value!r} must be a non-empty string")
-    return value
+    def from_dict(cls, data: object, *, where: str = "layout") -> KVLayoutSpec:
+        """A layout from its JSON form (``to_dict``); ConfigError lists every problem."""
+        layout: KVLayoutSpec = parse(cls, data, where=where)
+        return layout
 
 
 def _fingerprint(spec: KVLayoutSpec) -> str:

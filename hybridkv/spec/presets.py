@@ -298,7 +298,4 @@ def load_layout(name_or_path: str | Path) -> KVLayoutSpec:
             f"layout file {str(path)!r} must hold a JSON object (KVLayoutSpec.to_dict()), "
             f"got {type(data).__name__}"
         )
-    try:
-        return KVLayoutSpec.from_dict(data)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"layout file {str(path)!r}: {exc}") from None
+    return KVLayoutSpec.from_dict(data, where=f"layout file {str(path)!r}")

@@ -13,7 +13,7 @@ import abc
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import NewType
+from typing import ClassVar, NewType, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -78,6 +78,47 @@ class TierUsage:
     """None when the tier cannot tell (a shared pool)."""
 
 
+class TierReach(enum.Enum):
+    """Which processes can see a tier's objects."""
+
+    PROCESS = "process"
+    """Only the process that holds it (CPU memory): other processes learn its keys
+    from reports."""
+    HOST = "host"
+    """Other processes on the same host (a local directory)."""
+    CLUSTER = "cluster"
+    """Every engine that reaches the same server (a shared pool)."""
+
+
+class TierMedium(enum.Enum):
+    """Where a tier keeps its objects (reported as the source of hits)."""
+
+    MEMORY = "memory"
+    DISK = "disk"
+    REMOTE = "remote"
+
+
+class TierConfigBase:
+    """What every tier kind's configuration offers besides its fields.
+
+    Each kind's config is a frozen pydantic dataclass (``hybridkv.schema``)
+    with a ``kind`` tag and a ``load_weight``; it overrides these when its
+    kind needs to.
+    """
+
+    reach: ClassVar[TierReach] = TierReach.CLUSTER
+    medium: ClassVar[TierMedium] = TierMedium.REMOTE
+    load_weight: float
+
+    def lookup_only(self) -> Self:
+        """The config of an instance that only answers lookups (for another process)."""
+        return self
+
+    def for_rank(self, tp_rank: int, tp_size: int) -> Self:
+        """The config of tensor-parallel rank ``tp_rank``'s own tier."""
+        return self
+
+
 class Tier(abc.ABC):
     """A key -> bytes store with batched calls.
 
@@ -94,6 +135,8 @@ class Tier(abc.ABC):
     name: str = "tier"
     load_weight: float = 1.0
     """Relative cost of loading from this tier (lower is cheaper)."""
+    accepts_promotions: ClassVar[bool] = False
+    """Blocks read from slower tiers are copied here (best effort)."""
 
     @abc.abstractmethod
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:

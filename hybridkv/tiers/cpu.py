@@ -12,61 +12,50 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Self
+from collections.abc import Sequence
+from typing import Annotated, ClassVar, Literal, NamedTuple
 
 import numpy as np
+from pydantic import Field, StrictBool
+from pydantic.dataclasses import dataclass
 
+from hybridkv.schema import CONFIG, ByteSize, Number
 from hybridkv.tiers.base import (
     Buffer,
     GetStatus,
     PutStatus,
     StoreKey,
     Tier,
+    TierConfigBase,
+    TierMedium,
+    TierReach,
     TierStats,
     TierUsage,
     check_batch,
 )
 from hybridkv.tiers.codec import checksum
 from hybridkv.tiers.memory import ALIGN_BYTES, ExtentAllocator, allocate_arena
-from hybridkv.tiers.registry import ConfigReader, value_problems
 
 logger = logging.getLogger(__name__)
 
-_CPU_KEYS = {
-    "capacity_bytes": 'arena size, int or "4GiB" (required)',
-    "load_weight": "relative cost of loading from this tier, > 0 (default 1.0)",
-    "pin_memory": "true, false, or null = pin when CUDA is available (default null)",
-}
 
+@dataclass(frozen=True, kw_only=True, config=CONFIG)
+class CpuConfig(TierConfigBase):
+    """``kind: cpu``: CPU memory of the worker process."""
 
-@dataclass(frozen=True, kw_only=True)
-class CpuConfig:
-    capacity_bytes: int
-    load_weight: float = 1.0
-    """Relative loading cost; lower is cheaper (see ``hybridkv.tiers.tiered.store``)."""
-    pin_memory: bool | None = None
-    """None: pin when ``torch.cuda.is_available()``."""
+    kind: Literal["cpu"] = "cpu"
+    capacity_bytes: Annotated[
+        ByteSize, Field(ge=ALIGN_BYTES, description="size of the memory arena")
+    ]
+    load_weight: Annotated[
+        Number, Field(gt=0, allow_inf_nan=False, description="relative cost of loading from it")
+    ] = 1.0
+    pin_memory: Annotated[
+        StrictBool | None, Field(description="page-lock the arena; null: when CUDA is available")
+    ] = None
 
-    def __post_init__(self) -> None:
-        problems = value_problems(
-            capacity_bytes=self.capacity_bytes, minimum=ALIGN_BYTES, load_weight=self.load_weight
-        )
-        if problems:
-            raise ValueError("invalid CpuConfig: " + "; ".join(problems))
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], *, where: str) -> Self:
-        reader = ConfigReader(raw, where=where, allowed=_CPU_KEYS)
-        capacity_bytes = reader.byte_size("capacity_bytes", minimum=ALIGN_BYTES)
-        load_weight = reader.positive_float("load_weight", default=1.0)
-        pin_memory = reader.optional_bool("pin_memory")
-        reader.finish()
-        return cls(capacity_bytes=capacity_bytes, load_weight=load_weight, pin_memory=pin_memory)
-
-    def build(self) -> CpuTier:
-        return CpuTier(self)
+    reach: ClassVar[TierReach] = TierReach.PROCESS
+    medium: ClassVar[TierMedium] = TierMedium.MEMORY
 
 
 class _Entry(NamedTuple):
@@ -82,6 +71,8 @@ class CpuTier(Tier):
     is microseconds; holding the lock keeps an evicted extent from being
     overwritten while it is read).
     """
+
+    accepts_promotions = True
 
     def __init__(self, config: CpuConfig, *, name: str = "cpu") -> None:
         self.name = name

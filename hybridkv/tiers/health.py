@@ -99,11 +99,3 @@ def tcp_reachable(host: str, port: int, *, timeout_s: float) -> bool:
     except OSError:
         return False
     return True
-
-
-def check_address(key: str, address: object) -> list[str]:
-    """Problems of a ``"host:port"`` string (empty when fine)."""
-    host, _, port = str(address).rpartition(":")
-    if isinstance(address, str) and host and port.isdigit() and 0 < int(port) < 65536:
-        return []
-    return [f'{key}={address!r}: must be "host:port" with a port in 1..65535']

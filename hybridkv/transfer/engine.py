@@ -29,6 +29,7 @@ from hybridkv.transfer.jobs import (
     Job,
     JobId,
     JobKind,
+    JobOutcome,
     JobResult,
     JobState,
     TransferConfig,
@@ -106,7 +107,7 @@ class TransferEngine:
             if job is None or job.state in (JobState.SCATTERING, JobState.ABANDONED):
                 return False
             self._stats.cancels += 1
-            self._abandon(job, "cancelled")
+            self._abandon(job, JobOutcome.CANCELLED, "cancelled")
             return True
 
     def wait(
@@ -159,7 +160,7 @@ class TransferEngine:
             self._closed = True
             for job in list(self._jobs.values()):
                 if job.state is JobState.QUEUED:
-                    self._abandon(job, "transfer engine closed")
+                    self._abandon(job, JobOutcome.CLOSED, "transfer engine closed")
         for _ in self._workers:
             self._queue.put((2, next(self._seq), None))
         deadline = time.monotonic() + timeout_s
@@ -215,9 +216,9 @@ class TransferEngine:
         self._jobs[job.job_id] = job
         self._stats.count_submit(job.kind.value, sum(len(p.block_ids) for p in job.parts))
         if job.staging_offset is None:  # nothing to move
-            self._report(job, [], None)
+            self._report(job, [], JobOutcome.OK, None)
         elif self._closed:  # closed while this submit gathered: no worker will run it
-            self._abandon(job, "transfer engine closed")
+            self._abandon(job, JobOutcome.CLOSED, "transfer engine closed")
         else:
             priority = 0 if job.kind is JobKind.LOAD else 1
             self._queue.put((priority, next(self._seq), job.job_id))
@@ -280,7 +281,7 @@ class TransferEngine:
                     if job.state is JobState.ABANDONED:
                         self._release(job)
                     else:
-                        self._report(job, [], f"transfer engine error: {exc!r}")
+                        self._report(job, [], JobOutcome.ERROR, f"transfer engine error: {exc!r}")
 
     def _start(self, job_id: JobId) -> Job | None:
         with self._lock:
@@ -289,7 +290,7 @@ class TransferEngine:
                 return None
             if job.deadline is not None and time.monotonic() > job.deadline:
                 self._stats.timeouts += 1
-                self._abandon(job, "timed out before it started")
+                self._abandon(job, JobOutcome.TIMED_OUT, "timed out before it started")
                 return None
             job.state = JobState.RUNNING
             return job
@@ -325,7 +326,8 @@ class TransferEngine:
             if error:
                 statuses = []
         with self._lock:
-            self._report(job, statuses, error)
+            outcome = JobOutcome.ERROR if error else JobOutcome.OK
+            self._report(job, statuses, outcome, error)
 
     def _scatter(self, job: Job, statuses: Sequence[GetStatus | PutStatus]) -> str | None:
         start = 0
@@ -348,9 +350,13 @@ class TransferEngine:
     # ---- bookkeeping (callers hold the lock) -------------------------------------------
 
     def _report(
-        self, job: Job, statuses: Sequence[GetStatus | PutStatus], error: str | None
+        self,
+        job: Job,
+        statuses: Sequence[GetStatus | PutStatus],
+        outcome: JobOutcome,
+        detail: str | None,
     ) -> None:
-        result, counts = build_result(job, statuses, error)
+        result, counts = build_result(job, statuses, outcome, detail)
         self._stats.count_result(job.kind.value, result.ok_block_ids, result.num_failed, counts)
         self._stats.bytes[job.kind.value] += sum(
             len(ids) * self.copier.block_bytes(g) for g, ids in result.ok_block_ids.items()
@@ -362,18 +368,18 @@ class TransferEngine:
                 job.kind.value,
                 job.job_id,
                 result.num_failed,
-                result.error,
+                result.detail,
             )
         self._finished.append(result)
         if job.state is not JobState.ABANDONED:
             self._release(job)
         self._changed.notify_all()
 
-    def _abandon(self, job: Job, reason: str) -> None:
+    def _abandon(self, job: Job, outcome: JobOutcome, reason: str) -> None:
         """Report a job failed now; a running one keeps its staging until the tier returns."""
         running = job.state is JobState.RUNNING
         job.state = JobState.ABANDONED
-        self._report(job, [], reason)
+        self._report(job, [], outcome, reason)
         if not running:
             self._release(job)
 
@@ -389,7 +395,7 @@ class TransferEngine:
             late = job.deadline is not None and now > job.deadline
             if late and job.state in (JobState.QUEUED, JobState.RUNNING):
                 self._stats.timeouts += 1
-                self._abandon(job, f"timed out after {job.timeout_s} s")
+                self._abandon(job, JobOutcome.TIMED_OUT, f"timed out after {job.timeout_s} s")
 
     def _wait_until(self, busy: Callable[[], bool], timeout_s: float | None) -> bool:
         end = None if timeout_s is None else time.monotonic() + timeout_s

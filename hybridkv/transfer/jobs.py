@@ -20,6 +20,20 @@ class JobKind(enum.Enum):
     LOAD = "load"
 
 
+class JobOutcome(enum.Enum):
+    """How a job ended."""
+
+    OK = "ok"
+    FAILED = "failed"
+    """The tier answered; some blocks were not OK (miss, corrupt, full, error)."""
+    ERROR = "error"
+    """The tier call or a copy raised: every block failed."""
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    CLOSED = "closed"
+    """The engine closed before the job ran."""
+
+
 class TransferPart(NamedTuple):
     """Blocks of one group in a job, with one key per block."""
 
@@ -32,16 +46,17 @@ class TransferPart(NamedTuple):
 class JobResult:
     job_id: JobId
     kind: JobKind
+    outcome: JobOutcome
     ok_block_ids: dict[int, tuple[int, ...]]
     """group_id -> block ids stored (OK or already there) / loaded, in submit order."""
     failed_block_ids: dict[int, tuple[int, ...]]
     """group_id -> block ids not stored / not loaded (their KV is untouched)."""
-    error: str | None = None
-    """Why blocks failed (statuses, exception, timeout, cancel); None when all OK."""
+    detail: str | None = None
+    """Why blocks failed, for logs (status counts, the exception, the timeout)."""
 
     @property
     def ok(self) -> bool:
-        return not any(self.failed_block_ids.values())
+        return self.outcome is JobOutcome.OK
 
     @property
     def num_failed(self) -> int:
@@ -129,10 +144,16 @@ def check_parts(
 
 
 def build_result(
-    job: Job, statuses: Sequence[GetStatus | PutStatus], error: str | None
+    job: Job,
+    statuses: Sequence[GetStatus | PutStatus],
+    outcome: JobOutcome,
+    detail: str | None,
 ) -> tuple[JobResult, dict[str, int]]:
-    """The job's result from per-key statuses (empty: every block failed), and the
-    number of failed blocks per status."""
+    """The job's result from per-key statuses, and the failed blocks per status.
+
+    Without statuses every block failed with ``outcome``; with them the
+    outcome is OK or FAILED by what the tier answered.
+    """
     ok: dict[int, tuple[int, ...]] = {}
     failed: dict[int, tuple[int, ...]] = {}
     counts: dict[str, int] = {}
@@ -147,10 +168,17 @@ def build_result(
         for s in part_statuses:
             if s is not None and not is_ok(s):
                 counts[s.value] = counts.get(s.value, 0) + 1
-    if counts and error is None:
-        error = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    if statuses:
+        outcome = JobOutcome.FAILED if counts else JobOutcome.OK
+    if counts and detail is None:
+        detail = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
     result = JobResult(
-        job_id=job.job_id, kind=job.kind, ok_block_ids=ok, failed_block_ids=failed, error=error
+        job_id=job.job_id,
+        kind=job.kind,
+        outcome=outcome,
+        ok_block_ids=ok,
+        failed_block_ids=failed,
+        detail=detail,
     )
     return result, counts
 

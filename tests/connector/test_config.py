@@ -1,21 +1,22 @@
-"""The connector's extra config: defaults, and one error naming every problem."""
+"""The connector's extra config: defaults, per-rank tiers, and one error naming every problem."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from hybridkv.connector import ConnectorConfig
 from hybridkv.connector.config import (
-    ALLOWED_KEYS,
     DEFAULT_CPU_CAPACITY_BYTES,
     DEFAULT_DISK_CAPACITY_BYTES,
-    default_cache_dir,
+    ConnectorConfig,
 )
 from hybridkv.keys import HashAlgo
+from hybridkv.paths import default_cache_dir
+from hybridkv.schema import ConfigError
 from hybridkv.tiers.cpu import CpuConfig
-from hybridkv.tiers.disk.tier import DiskConfig
+from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.selection import Selection
 
 
@@ -24,14 +25,13 @@ def test_empty_config_is_cpu_then_disk_under_the_cache_dir_env(
 ) -> None:
     monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path / "cache"))
     config = ConnectorConfig.from_dict({})
-    cpu, disk = config.tiers
+    cpu, disk = config.tier_configs
     assert isinstance(cpu, CpuConfig) and cpu.capacity_bytes == DEFAULT_CPU_CAPACITY_BYTES
     assert isinstance(disk, DiskConfig) and disk.capacity_bytes == DEFAULT_DISK_CAPACITY_BYTES
     assert disk.path == tmp_path / "cache" / "kv"
-    assert config.cache_dir == tmp_path / "cache"
     assert config.selection is Selection.PER_BLOCK
     assert config.hash_algo is HashAlgo.XXH3_128
-    assert config.chunk_tokens is None and config.model_id is None
+    assert config.hit_alignment_tokens is None and config.model_id is None
     assert config.uses_default_tiers
     assert ConnectorConfig.from_dict(None) == config
 
@@ -55,15 +55,16 @@ def test_every_key_parses(tmp_path: Path) -> None:
             "disk_capacity_bytes": 5 << 30,
             "selection": "whole_request",
             "load_timeout_s": 2.5,
-            "chunk_tokens": 256,
+            "hit_alignment_tokens": 256,
             "model_id": "my-model",
             "hash_algo": "sha256",
         }
     )
-    assert config.tiers[0].capacity_bytes == 1 << 30  # type: ignore[attr-defined]
-    assert config.tiers[1].capacity_bytes == 5 << 30  # type: ignore[attr-defined]
+    cpu, disk = config.tier_configs
+    assert cpu.capacity_bytes == 1 << 30 and disk.capacity_bytes == 5 << 30
+    assert isinstance(disk, DiskConfig) and disk.path == tmp_path / "kv"
     assert config.selection is Selection.WHOLE_REQUEST
-    assert config.load_timeout_s == 2.5 and config.chunk_tokens == 256
+    assert config.load_timeout_s == 2.5 and config.hit_alignment_tokens == 256
     assert config.model_id == "my-model" and config.hash_algo is HashAlgo.SHA256
 
 
@@ -71,49 +72,57 @@ def test_explicit_tiers_replace_the_default(tmp_path: Path) -> None:
     config = ConnectorConfig.from_dict(
         {"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity_bytes": "1GiB"}]}
     )
-    (disk,) = config.tiers
+    (disk,) = config.tier_configs
     assert isinstance(disk, DiskConfig) and not config.uses_default_tiers
 
 
+def test_each_rank_gets_its_own_disk_directory(tmp_path: Path) -> None:
+    config = ConnectorConfig.from_dict({"cache_dir": str(tmp_path)})
+    assert config.for_rank(0, 1) == config.tier_configs  # one rank: the path as given
+    paths = [config.for_rank(rank, 2)[1].path for rank in range(2)]  # type: ignore[union-attr]
+    assert paths == [tmp_path / "kv" / "tp0of2", tmp_path / "kv" / "tp1of2"]
+    assert [t.kind for t in config.for_rank(1, 2)] == ["cpu", "disk"]
+
+
 def test_all_problems_in_one_error_with_the_allowed_keys() -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ConfigError) as info:
         ConnectorConfig.from_dict(
             {
                 "cpu_capacity": 1,
                 "load_timeout_s": -1,
-                "chunk_tokens": "many",
+                "hit_alignment_tokens": "many",
                 "selection": "fastest",
                 "hash_algo": "md5",
                 "cache_dir": 7,
-            }
-        )
-    message = str(info.value)
-    for fragment in (
-        "unknown key 'cpu_capacity'",
-        "load_timeout_s=-1",
-        "chunk_tokens='many'",
-        "selection='fastest'",
-        "hash_algo='md5'",
-        "cache_dir=7",
-        "6 problem(s)",
-    ):
-        assert fragment in message, fragment
-    for key in ALLOWED_KEYS:
-        assert key in message
-
-
-def test_tier_problems_and_default_sizes_with_tiers_are_reported_together() -> None:
-    with pytest.raises(ValueError) as info:
-        ConnectorConfig.from_dict(
-            {
-                "cpu_capacity_bytes": "1GiB",
                 "tiers": [{"kind": "cpu"}, {"kind": "tape"}],
             }
         )
     message = str(info.value)
-    assert "cpu_capacity_bytes sizes the default tiers only" in message
-    assert "missing required key 'capacity_bytes'" in message
-    assert "'tape'" in message
+    assert message.startswith("kv_connector_extra_config: 8 problems:")
+    for fragment in (
+        "cpu_capacity: unknown key; allowed keys: tiers, cache_dir, cpu_capacity_bytes",
+        "load_timeout_s=-1: must be greater than 0",
+        "hit_alignment_tokens='many': must be a valid integer",
+        "selection='fastest': must be 'per_block' or 'whole_request'",
+        "hash_algo='md5': must be 'xxh3_128' or 'sha256'",
+        "cache_dir=7: must be a non-empty path string",
+        "tiers[0].capacity_bytes: required key is missing (size of the memory arena)",
+        "tiers[1].kind='tape': must be one of 'cpu', 'disk', 'mooncake', 'valkey'",
+    ):
+        assert fragment in message, fragment
+
+
+def test_default_sizes_with_explicit_tiers_are_refused() -> None:
+    with pytest.raises(ConfigError, match="cpu_capacity_bytes size the default tiers only"):
+        ConnectorConfig.from_dict(
+            {"cpu_capacity_bytes": "1GiB", "tiers": [{"kind": "cpu", "capacity_bytes": 4096}]}
+        )
+
+
+def test_a_password_is_never_shown() -> None:
+    with pytest.raises(ConfigError) as info:
+        ConnectorConfig.from_dict({"tiers": [{"kind": "valkey", "password": 12345}]})
+    assert "password=<hidden>" in str(info.value) and "12345" not in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -122,12 +131,21 @@ def test_tier_problems_and_default_sizes_with_tiers_are_reported_together() -> N
         {"cpu_capacity_bytes": 0},
         {"disk_capacity_bytes": "lots"},
         {"load_timeout_s": True},
-        {"chunk_tokens": 0},
+        {"hit_alignment_tokens": 0},
         {"model_id": ""},
         {"tiers": "cpu"},
         {"tiers": []},
+        {"tiers": [{"capacity_bytes": 4096}]},
     ],
 )
 def test_impossible_values_are_refused(raw: dict[str, object]) -> None:
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises(ConfigError):
         ConnectorConfig.from_dict(raw)
+
+
+def test_configs_are_frozen_and_replace_validates(tmp_path: Path) -> None:
+    config = ConnectorConfig.from_dict({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.load_timeout_s = 1.0  # type: ignore[misc]
+    with pytest.raises(ValueError, match="greater than 0"):
+        dataclasses.replace(config, load_timeout_s=0)

@@ -5,26 +5,27 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from hybridkv.connector import build_store
+from hybridkv.connector.metadata import LoadOutcome
+from hybridkv.connector.setup import build_store
 from hybridkv.spec import GroupKind
-from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
+from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
-from tests.connector.helpers import (
+from tests.support.connector import (
     GatedTier,
+    assert_kv_matches_cold,
     block_keys,
+    block_refs,
     close_engine,
+    disk_config,
     make_config,
     make_engine,
     make_remote_lookup,
-)
-from tests.connector.sim import SimEngine, make_layout
-from tests.connector.test_scenarios import (
-    assert_kv_matches_cold,
     prompt,
     run_to_end,
     store_prompt,
     wait_loaded,
 )
+from tests.support.sim import SimEngine, make_layout
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 
@@ -34,8 +35,7 @@ def gated_engine(
 ) -> tuple[SimEngine, GatedTier]:
     """An engine whose only tier is the real disk tier behind a gate on reads."""
     config = make_config(tmp_path)
-    disk = next(c for c in config.tiers if isinstance(c, DiskConfig))
-    gated = GatedTier(DiskTier(disk))
+    gated = GatedTier(DiskTier(disk_config(config)))
     store = TieredStore([gated])
     engine = make_engine(make_layout(kinds), config, store=store, load_timeout_s=load_timeout_s)
     return engine, gated
@@ -64,14 +64,14 @@ def test_load_timeout_reports_every_block_and_never_writes_late_bytes(tmp_path: 
     time.sleep(0.3)
     engine.step({})
     req = engine.requests["t"]
-    (result,) = [r for rep in engine.reports for r in rep.finished_loads]
-    assert result.timed_out and not result.ok
+    (result,) = engine.finished_loads()
+    assert result.outcome is LoadOutcome.TIMED_OUT and not result.ok
     assert {g: set(ids) for g, ids in enumerate(result.failed_block_ids) if ids} == planned
-    assert req.outcomes[-1].num_tokens == 0
+    assert req.num_computed == 0  # starts over; a timed-out tier is not asked again
     gated.release()  # the tier answers now, too late
     engine.worker.wait_idle(5)
     assert load_rows_now(engine, before) == before, "late bytes were scattered"
-    assert engine.worker.stats.loads_timed_out == 1
+    assert engine.worker.stats.loads[LoadOutcome.TIMED_OUT] == 1
     run_to_end(engine, "t", chunk=12)  # recomputed, no second load
     assert_kv_matches_cold(engine, req, 37)
     assert engine.scheduler.stats.loads_planned == 1
@@ -95,14 +95,14 @@ def test_finished_request_holds_its_blocks_until_its_load_is_cancelled(tmp_path:
     assert engine.finish("c") is True  # aborted while loading: blocks stay allocated
     assert "c" in engine.requests
     engine.step({})  # the cancel reaches the worker
-    (result,) = [r for rep in engine.reports for r in rep.finished_loads]
-    assert result.cancelled and not result.ok
+    (result,) = engine.finished_loads()
+    assert result.outcome is LoadOutcome.CANCELLED and not result.ok
     assert "c" not in engine.requests  # freed once the worker reported
     assert engine.scheduler.num_requests == 0
     gated.release()
     engine.worker.wait_idle(5)
     assert load_rows_now(engine, before) == before
-    assert engine.worker.stats.loads_cancelled == 1
+    assert engine.worker.stats.loads[LoadOutcome.CANCELLED] == 1
     close_engine(engine)
 
 
@@ -122,7 +122,7 @@ def test_preempted_request_resumes_from_its_own_stored_blocks(tmp_path: Path) ->
     assert_kv_matches_cold(engine, req, 24)
     run_to_end(engine, "p", chunk=12)
     assert_kv_matches_cold(engine, req, 40)
-    stored = [k for rep in engine.reports for k in rep.stored_keys]
+    stored = engine.reported("stored")
     assert len(stored) == len(set(stored)), "a block was stored twice"
     close_engine(engine)
 
@@ -130,9 +130,9 @@ def test_preempted_request_resumes_from_its_own_stored_blocks(tmp_path: Path) ->
 def test_other_process_lookup_sees_reported_cpu_keys_and_drops_bad_ones(tmp_path: Path) -> None:
     layout = make_layout((MAMBA, FULL))
     config = make_config(tmp_path, tiers=[{"kind": "cpu", "capacity_bytes": "4MiB"}])
-    lookup, opened = make_remote_lookup(config)
+    lookup, opened = make_remote_lookup(config, layout)
     assert opened == [] and not lookup.complete
-    store = build_store(config)
+    store = build_store(config.tier_configs, config)
     engine = make_engine(layout, config, store=store, lookup=lookup)
     tokens = prompt(37)
     engine.add("a", tokens)
@@ -145,8 +145,10 @@ def test_other_process_lookup_sees_reported_cpu_keys_and_drops_bad_ones(tmp_path
     assert store.delete_many(lost) == 1
     assert engine.add("b", tokens) == 36  # the stale record still offers them
     req = wait_loaded(engine, "b")
-    assert not req.outcomes[-1].ok
+    assert req.outcomes[0].outcome is LoadOutcome.FAILED
     assert lookup.contains_many(lost) == [False]  # never offered again
+    req = wait_loaded(engine, "b")  # the retry loads what is still there: 12 tokens
+    assert req.outcomes[-1].ok and req.num_computed == 12
     run_to_end(engine, "b", chunk=12)
     assert_kv_matches_cold(engine, req, 37)
     # b recomputed block 3 and stored it again: the whole prompt hits once more.
@@ -167,14 +169,13 @@ def test_store_backpressure_drops_blocks_and_sends_them_again(tmp_path: Path) ->
     held = arena.allocate(arena.total_bytes)  # something else fills the staging arena
     assert held is not None
     engine.step({"a": 16})  # staging full: the 4 blocks are dropped, reported
-    dropped = [k for rep in engine.reports for k in rep.dropped_keys]
-    assert dropped == block_keys(layout, tokens, 0, range(4))
-    assert engine.worker.stats.store_blocks_dropped == 4
+    dropped = engine.reported("dropped")
+    assert dropped == block_refs(layout, tokens, 0, range(4))
+    assert engine.worker.stats.groups[0].store_dropped_blocks == 4
     arena.free(held)
     assert engine.finish("a") is False
     engine.add("b", tokens)  # computes the same blocks: they are sent again
     run_to_end(engine, "b", chunk=16)
     engine.settle()
-    stored = {k for rep in engine.reports for k in rep.stored_keys}
-    assert set(dropped) <= stored
+    assert set(dropped) <= set(engine.reported("stored"))
     close_engine(engine)

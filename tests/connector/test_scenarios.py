@@ -7,24 +7,28 @@ state, and computing on after a load must give the cold final state.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from hybridkv.connector import StepInput, WorkerReport
-from hybridkv.spec import GroupKind, KVLayoutSpec
-from tests.connector.helpers import (
+from hybridkv.connector.metadata import LoadOutcome
+from hybridkv.connector.steps import StepInput
+from hybridkv.spec import GroupKind
+from tests.support.connector import (
+    assert_kv_matches_cold,
     block_keys,
+    block_refs,
     close_engine,
     make_config,
     make_engine,
     make_remote_lookup,
+    prompt,
     remove_from_disk,
+    run_to_end,
+    store_prompt,
+    wait_loaded,
 )
-from tests.connector.sim import SimEngine, SimRequest, expected_state, make_layout
+from tests.support.sim import make_layout
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 LAYOUTS = {
@@ -35,62 +39,6 @@ LAYOUTS = {
 }
 
 
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
-
-
-def run_to_end(engine: SimEngine, req_id: str, chunk: int, timeout_s: float = 10.0) -> None:
-    req = engine.requests[req_id]
-    deadline = time.monotonic() + timeout_s
-    while req.num_computed < len(req.tokens) or req.waiting_load:
-        assert time.monotonic() < deadline, f"{req_id} did not finish"
-        engine.step({} if req.waiting_load else {req_id: chunk})
-        if req.waiting_load:
-            time.sleep(0.002)
-
-
-def wait_loaded(engine: SimEngine, req_id: str, timeout_s: float = 10.0) -> SimRequest:
-    req = engine.requests[req_id]
-    deadline = time.monotonic() + timeout_s
-    while req.waiting_load:
-        assert time.monotonic() < deadline, f"load of {req_id} never finished"
-        engine.step({})
-        time.sleep(0.002)
-    return req
-
-
-def assert_kv_matches_cold(engine: SimEngine, req: SimRequest, num_tokens: int) -> int:
-    """Every non-null block of the request up to ``num_tokens`` equals a cold run's.
-
-    Returns the number of blocks compared (so callers can insist it is > 0).
-    """
-    compared = 0
-    for g, group in enumerate(engine.layout.groups):
-        ids = req.block_ids[g]
-        if group.kind is GroupKind.MAMBA:
-            for layer in group.layer_names:
-                got = engine.state_bytes(req, g, layer, num_tokens)
-                assert got == expected_state(req.tokens, num_tokens, layer), (g, layer)
-                compared += 1
-            continue
-        for index in range(num_tokens // group.block_size):
-            if ids[index] == 0:
-                continue
-            got = engine.block_bytes(g, ids[index])
-            assert got == engine.expected_block(req.tokens, g, index), (g, index)
-            compared += 1
-    return compared
-
-
-def store_prompt(layout: KVLayoutSpec, cache_dir: Path, tokens: Sequence[int], chunk: int) -> None:
-    first = make_engine(layout, make_config(cache_dir))
-    assert first.add("cold", tokens) == 0
-    run_to_end(first, "cold", chunk)
-    first.settle()
-    assert first.finish("cold") is False
-    close_engine(first)  # flushes the write-back: the disk tier holds every block
-
-
 @pytest.mark.parametrize("lookup_mode", ["same-process", "other-process"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_fresh_pair_loads_byte_identical(tmp_path: Path, name: str, lookup_mode: str) -> None:
@@ -98,17 +46,31 @@ def test_fresh_pair_loads_byte_identical(tmp_path: Path, name: str, lookup_mode:
     tokens = prompt(37)
     store_prompt(layout, tmp_path, tokens, chunk=12)
     config = make_config(tmp_path)
-    lookup, opened = make_remote_lookup(config) if lookup_mode == "other-process" else (None, [])
+    lookup, opened = (
+        make_remote_lookup(config, layout) if lookup_mode == "other-process" else (None, [])
+    )
     second = make_engine(layout, config, lookup=lookup)
     # 36 = the whole prompt but its last token, aligned; Mamba has states at 12, 24, 36.
     assert second.add("warm", tokens) == 36
     req = wait_loaded(second, "warm")
-    assert req.outcomes[-1].ok and req.outcomes[-1].num_tokens == 36
+    assert req.outcomes[-1].ok and req.num_computed == 36
     assert assert_kv_matches_cold(second, req, 36) > 0
     run_to_end(second, "warm", chunk=5)
     assert_kv_matches_cold(second, req, 37)
     stats = second.worker.stats
-    assert stats.loads_ok == 1 and stats.load_failed_blocks == 0
+    assert stats.loads[LoadOutcome.OK] == 1
+    assert sum(g.load_failed_blocks for g in stats.groups) == 0
+    planned = [
+        sum(
+            len(t.block_ids)
+            for m in second.metas
+            for ld in m.loads
+            for t in ld.transfers
+            if t.group_id == g
+        )
+        for g in range(layout.num_groups)
+    ]
+    assert [g.loaded_blocks for g in stats.groups] == planned and sum(planned) > 0
     close_engine(second)
     for tier in opened:
         tier.close()
@@ -211,11 +173,14 @@ def test_mamba_loads_only_the_last_state(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "resume_at"), [("full-only", 20), ("gemma-like", 0), ("qwen3-next-like", 0)]
+    ("name", "retry_hit"), [("full-only", None), ("gemma-like", 20), ("qwen3-next-like", 12)]
 )
-def test_failed_load_reports_exact_block_ids_and_resumes_at_the_minimum(
-    tmp_path: Path, name: str, resume_at: int
+def test_failed_load_reports_exact_block_ids_and_resumes_where_vllm_can(
+    tmp_path: Path, name: str, retry_hit: int | None
 ) -> None:
+    """One full-attention group keeps the prefix before its first failed block (vLLM's
+    block-level errors); hybrid layouts start over and a second lookup finds the longest
+    hit that no longer needs the lost blocks."""
     layout = make_layout(LAYOUTS[name])
     tokens = prompt(37)
     store_prompt(layout, tmp_path, tokens, chunk=12)
@@ -227,15 +192,21 @@ def test_failed_load_reports_exact_block_ids_and_resumes_at_the_minimum(
     req = engine.requests["f"]
     lost = {req.block_ids[full][5], req.block_ids[full][7]}
     wait_loaded(engine, "f")
-    (result,) = [r for rep in engine.reports for r in rep.finished_loads]
-    assert set(result.failed_block_ids[full]) == lost
-    assert not any(ids for g, ids in enumerate(result.failed_block_ids) if g != full)
-    assert req.outcomes[-1].num_tokens == resume_at and not req.outcomes[-1].ok
+    first = engine.finished_loads()[0]
+    assert first.outcome is LoadOutcome.FAILED and req.outcomes[0] == first
+    assert set(first.failed_block_ids[full]) == lost
+    assert not any(ids for g, ids in enumerate(first.failed_block_ids) if g != full)
+    assert set(engine.reported("missing")) == set(block_refs(layout, tokens, full, [5, 7]))
+    if retry_hit is None:
+        assert req.num_computed == 20  # the prefix before block 5
+    else:
+        wait_loaded(engine, "f")
+        loads = [load for meta in engine.metas for load in meta.loads]
+        assert [load.num_tokens for load in loads] == [36, retry_hit]
+        assert req.outcomes[-1].ok and len(req.outcomes) == 2
     run_to_end(engine, "f", chunk=8)
     assert_kv_matches_cold(engine, req, 37)
-    missing = {k for rep in engine.reports for k in rep.missing_keys}
-    assert missing == set(block_keys(layout, tokens, full, [5, 7]))
-    assert engine.scheduler.stats.loads_failed == 1
+    assert engine.worker.stats.loads[LoadOutcome.FAILED] == 1
     close_engine(engine)
 
 
@@ -255,13 +226,14 @@ def test_load_after_a_local_hit_moves_only_blocks_the_engine_lacks(tmp_path: Pat
     scheduler.allocated("h", [sw_ids, full_ids, mamba_ids], 24)
     meta = scheduler.build_metadata(StepInput())
     (load,) = meta.loads
-    assert (load.num_tokens, load.fallback_tokens) == (36, 12)
+    assert (load.num_tokens, load.base_tokens) == (36, 12)
     by_group = {t.group_id: t for t in load.transfers}
     assert by_group[0].block_indices == (7, 8) and by_group[0].block_ids == (41, 42)
     assert by_group[1].block_indices == tuple(range(3, 9))
     assert by_group[1].block_ids == (21, 22, 23, 24, 25, 26)
     assert by_group[2].block_indices == (8,) and by_group[2].block_ids == (51,)
-    assert by_group[1].keys == tuple(block_keys(layout, tokens, 1, range(3, 9)))
+    refs = block_refs(layout, tokens, 1, range(3, 9))
+    assert by_group[1].block_hashes == tuple(ref.block_hash for ref in refs)
     # A full-attention block the engine did not allocate makes the load impossible.
     scheduler.add_request("x")
     assert scheduler.lookup("x", tokens, 12).num_tokens == 24
@@ -269,8 +241,9 @@ def test_load_after_a_local_hit_moves_only_blocks_the_engine_lacks(tmp_path: Pat
     (bad,) = scheduler.build_metadata(StepInput()).loads
     assert not bad.planned and bad.transfers == ()
     engine.worker.start_loads([bad])  # the worker reports it failed at once: recompute
-    (result,) = engine.worker.poll().finished_loads
-    assert result.unplanned and not result.ok
-    (outcome,) = scheduler.process_report(WorkerReport(finished_loads=(result,)))
-    assert (outcome.num_tokens, outcome.ok) == (12, False)
+    report = engine.worker.poll()
+    (result,) = report.ranks[0].finished_loads
+    assert result.outcome is LoadOutcome.UNPLANNED and not result.ok
+    scheduler.process_report(report)
+    assert scheduler.lookup("x", tokens, 12).num_tokens == 0  # recomputed, not retried
     close_engine(engine)

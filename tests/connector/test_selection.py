@@ -7,20 +7,31 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.connector import (
+from hybridkv.connector.metadata import (
+    BlockRef,
     BlockTransfer,
     ConnectorMetadata,
+    LoadOutcome,
     LoadResult,
     LoadSpec,
+    RankReport,
     StoreSpec,
     WorkerReport,
-    build_store,
 )
+from hybridkv.connector.setup import build_store
+from hybridkv.keys import BlockHash
 from hybridkv.spec import GroupKind
-from hybridkv.tiers.base import StoreKey
-from tests.connector.helpers import block_keys, close_engine, make_config, make_engine
-from tests.connector.sim import make_layout
-from tests.connector.test_scenarios import assert_kv_matches_cold, prompt, run_to_end, wait_loaded
+from tests.support.connector import (
+    assert_kv_matches_cold,
+    block_keys,
+    close_engine,
+    make_config,
+    make_engine,
+    prompt,
+    run_to_end,
+    wait_loaded,
+)
+from tests.support.sim import make_layout
 
 
 @pytest.mark.parametrize(
@@ -31,7 +42,7 @@ def test_selection_picks_blocks_or_one_tier(
 ) -> None:
     layout = make_layout((GroupKind.SLIDING_WINDOW, GroupKind.FULL))
     config = make_config(tmp_path, selection=selection)
-    store = build_store(config)
+    store = build_store(config.tier_configs, config)
     engine = make_engine(layout, config, store=store)
     tokens = prompt(37)
     engine.add("a", tokens)
@@ -45,6 +56,14 @@ def test_selection_picks_blocks_or_one_tier(
     disk_gets = disk.stats().gets
     # whole_request: CPU scores 12 tokens / weight 1 > disk's 36 / 4 = 9.
     assert engine.add("b", tokens) == hit
+    # Where the hit comes from, for vLLM's per-source metrics: per block, the CPU tier
+    # serves most blocks and the disk the lost one; one chosen tier serves everything.
+    sources = engine.scheduler.hit_sources("b")
+    assert sum(sources.values()) == hit
+    if tier_index is None:
+        assert set(sources) == {0, 1} and 0 < sources[1] < sources[0]
+    else:
+        assert sources == {tier_index: hit}
     engine.step({})
     assert engine.last_meta is not None
     (load,) = engine.last_meta.loads
@@ -61,20 +80,24 @@ def test_selection_picks_blocks_or_one_tier(
 
 
 def test_metadata_and_reports_pickle() -> None:
+    hashes = (BlockHash(b"\x01" * 16), BlockHash(b"\x02" * 16))
     transfer = BlockTransfer(
-        group_id=1, keys=(StoreKey("k1"), StoreKey("k2")), block_ids=(5, 9), block_indices=(0, 1)
+        group_id=1, block_hashes=hashes, block_ids=(5, 9), block_indices=(0, 1)
     )
     meta = ConnectorMetadata(
-        loads=(LoadSpec(req_id="a", num_tokens=8, fallback_tokens=0, transfers=(transfer,)),),
+        loads=(LoadSpec(req_id="a", num_tokens=8, base_tokens=0, transfers=(transfer,)),),
         stores=(StoreSpec(req_id="b", transfers=(transfer,)),),
         cancelled_req_ids=frozenset({"c"}),
     )
     assert pickle.loads(pickle.dumps(meta)) == meta
+    failed = LoadResult(req_id="a", outcome=LoadOutcome.FAILED, failed_block_ids=((), (9,)))
     report = WorkerReport(
-        finished_loads=(LoadResult(req_id="a", failed_block_ids=((), (9,))),),
-        stored_keys=(StoreKey("k1"),),
+        ranks=(RankReport(tp_rank=0, finished_loads=(failed,), stored=(BlockRef(1, hashes[0]),)),)
     )
-    merged = report.merge(WorkerReport(missing_keys=(StoreKey("k2"),)))
+    merged = report.merge(
+        WorkerReport(ranks=(RankReport(tp_rank=1, missing=(BlockRef(1, hashes[1]),)),))
+    )
     assert pickle.loads(pickle.dumps(merged)) == merged
-    assert merged.missing_keys == ("k2",) and not merged.finished_loads[0].ok
-    assert WorkerReport().is_empty and not merged.is_empty
+    assert [r.tp_rank for r in merged.ranks] == [0, 1] and not merged.ranks[0].finished_loads[0].ok
+    assert WorkerReport().is_empty and WorkerReport(ranks=(RankReport(tp_rank=0),)).is_empty
+    assert not merged.is_empty

@@ -22,7 +22,7 @@ from typing import Any
 
 from hybridkv.tools.models import TinyModelKind, build_tiny_model
 from tests.e2e import engine_tools
-from tests.e2e.corrupt import corrupt_files
+from tests.support.corrupt import corrupt_files
 
 CONNECTOR_CLASS = "HybridKVConnector"
 CONNECTOR_MODULE = "hybridkv.vllm"

@@ -38,7 +38,7 @@ from tests.e2e.scenarios import (
     generate,
 )
 from tests.e2e.test_connector_e2e import assert_same_outputs, counter, tier_counter
-from tests.servers import MIB, MooncakePool, wait_for
+from tests.support.servers import MIB, MooncakePool, wait_for
 
 pytestmark = pytest.mark.slow
 

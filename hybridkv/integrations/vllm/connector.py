@@ -3,12 +3,10 @@
 Load it with ``--kv-transfer-config '{"kv_connector": "HybridKVConnector",
 "kv_connector_module_path": "hybridkv.vllm", "kv_role": "kv_both"}'``. vLLM
 builds one instance with the SCHEDULER role (EngineCore process) and one
-with the WORKER role per worker (the same process with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a separate one with the default
-multiprocess executor). The worker instance owns the tiers; the scheduler
-instance looks up hits in that very store when it shares the process, else
-in lookup-only instances of the tiers it can see (disk, shared pools) plus
-the keys workers report stored in their private CPU tier.
+with the WORKER role per worker (per tensor-parallel rank; the same process
+with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and one rank, separate ones
+otherwise). This class only translates: facts come from ``facts``, vLLM's
+types from ``plumbing``, metrics from ``metrics``.
 """
 
 from __future__ import annotations
@@ -22,36 +20,31 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.metadata import ConnectorMetadata, WorkerReport
+from hybridkv.connector.metadata import ConnectorMetadata, LoadOutcome, WorkerReport
+from hybridkv.connector.metrics import Sample, scheduler_samples, worker_samples
 from hybridkv.connector.scheduler import ConnectorScheduler
-from hybridkv.connector.wiring import (
-    build_lookup,
-    build_store,
-    register_local_store,
-    unregister_local_store,
-)
-from hybridkv.connector.worker import ConnectorWorker
-from hybridkv.integrations.vllm.engine import (
-    VllmMetadata,
-    VllmWorkerMeta,
-    engine_facts,
-    is_cacheable,
-    preferred_kv_cache_layout,
-    step_input,
-)
+from hybridkv.connector.setup import build_scheduler, register_local_store, unregister_local_store
+from hybridkv.connector.worker import ConnectorWorker, build_worker
+from hybridkv.integrations.vllm.facts import engine_facts
 from hybridkv.integrations.vllm.metrics import (
     CounterDeltas,
     HybridKVPromMetrics,
     HybridKVStats,
-    flatten,
+    stats_data,
 )
-from hybridkv.planner import ChunkPlan
+from hybridkv.integrations.vllm.plumbing import (
+    VllmMetadata,
+    VllmWorkerMeta,
+    is_cacheable,
+    preferred_kv_cache_layout,
+    step_input,
+    tensor_parallel_rank,
+)
 from hybridkv.spec import GroupKind
-from hybridkv.tiers.base import Tier
-from hybridkv.tiers.tiered.store import TieredStore
-from hybridkv.transfer import TransferConfig
+from hybridkv.tiers.base import Tier, TierMedium
 
 if TYPE_CHECKING:
     import torch
@@ -60,12 +53,19 @@ __all__ = ["HybridKVConnector"]
 
 logger = logging.getLogger(__name__)
 
+_SOURCES = {
+    TierMedium.MEMORY: CacheHitSource.HOST,
+    TierMedium.DISK: CacheHitSource.DISK,
+    TierMedium.REMOTE: CacheHitSource.P2P,
+}
+"""What vLLM's ``prompt_tokens_cached_by_source`` calls hits from each medium."""
+
 
 def _log_through_vllm() -> None:
     """Show hybridkv's messages in vLLM's log, with its handlers and level.
 
     vLLM configures the ``vllm`` logger only; a plugin's own loggers would
-    otherwise be silent in ``vllm serve``. Skipped when the application gave
+    otherwise be silent in the server. Skipped when the application gave
     ``hybridkv`` handlers of its own.
     """
     ours = logging.getLogger("hybridkv")
@@ -86,87 +86,44 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         _log_through_vllm()
         transfer_config = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_dict(transfer_config.kv_connector_extra_config)
-        self.facts = engine_facts(vllm_config, kv_cache_config, self.config.model_id)
-        self.alignment_tokens = self._alignment(vllm_config)
-        self._engine_key = str(transfer_config.engine_id)
+        self.facts = engine_facts(
+            vllm_config, kv_cache_config, self.config.model_id, str(transfer_config.engine_id)
+        )
         groups = self.facts.layout.groups
         self._block_level_errors = len(groups) == 1 and groups[0].kind is GroupKind.FULL
         self._deltas = CounterDeltas()
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
-        self._store: TieredStore | None = None
         self._lookup_tiers: list[Tier] = []
         self._requests: dict[str, Any] = {}
         self._invalid_block_ids: set[int] = set()
         self._report = WorkerReport()
         if role == KVConnectorRole.SCHEDULER:
-            self._init_scheduler(vllm_config)
+            self._init_scheduler(transfer_config)
         else:
             self._init_worker()
 
-    def _alignment(self, vllm_config: Any) -> int:
-        layout = self.facts.layout
-        chunk = self.config.chunk_tokens
-        if chunk is None:
-            return layout.scheduler_block_size
-        ChunkPlan.build(layout, chunk, vllm_config.model_config.max_model_len)
-        problems = []
-        if chunk % layout.scheduler_block_size:
-            problems.append(
-                f"chunk_tokens={chunk} is not a multiple of the scheduler block size "
-                f"{layout.scheduler_block_size}; use a multiple of it"
-            )
-        if chunk != layout.scheduler_block_size and any(
-            g.kind is GroupKind.CHUNKED_LOCAL for g in layout.groups
-        ):
-            problems.append(
-                f"chunk_tokens={chunk}: with chunked local attention hits must be aligned to "
-                f"the block size {layout.scheduler_block_size}; leave chunk_tokens unset"
-            )
-        if problems:
-            raise ValueError("kv_connector_extra_config: " + "; ".join(problems))
-        return chunk
-
-    def _init_scheduler(self, vllm_config: Any) -> None:
-        lookup, self._lookup_tiers = build_lookup(self.config, self._engine_key)
-        self._scheduler = ConnectorScheduler(
-            self.facts.layout,
-            lookup,
-            alignment_tokens=self.alignment_tokens,
-            hash_algo=self.config.hash_algo,
-            selection=self.config.selection,
-            tp_size=self.facts.tp_size,
-        )
-        transfer_config = vllm_config.kv_transfer_config
+    def _init_scheduler(self, transfer_config: Any) -> None:
+        self._scheduler, self._lookup_tiers = build_scheduler(self.config, self.facts)
         if transfer_config.kv_load_failure_policy != "recompute":
             # A cache that cannot load a block costs a recompute, never a failed request.
             logger.info("hybridkv sets kv_load_failure_policy='recompute' (it is a cache)")
             transfer_config.kv_load_failure_policy = "recompute"
+        layout = self.facts.layout
         logger.info(
-            "hybridkv scheduler: %d KV groups %s, hits aligned to %d tokens, tiers %s",
-            self.facts.layout.num_groups,
-            [f"{g.kind.value}/{g.block_size}" for g in self.facts.layout.groups],
-            self.alignment_tokens,
-            [type(c).__name__ for c in self.config.tiers],
+            "hybridkv scheduler: %d KV groups %s, hits aligned to %d tokens%s, tiers %s",
+            layout.num_groups,
+            [f"{g.kind.value}/{g.block_size}" for g in layout.groups],
+            self._scheduler.alignment_tokens,
+            ", EAGLE drafting" if self.facts.use_eagle else "",
+            [c.kind for c in self.config.tier_configs],
         )
 
     def _init_worker(self) -> None:
-        try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            tp_rank = int(get_tensor_model_parallel_rank())
-        except Exception:  # distributed state not initialized (single process)
-            tp_rank = 0
-        self._store = build_store(self.config)
-        self._worker = ConnectorWorker(
-            self.facts.layout,
-            self._store,
-            tp_rank=tp_rank,
-            tp_size=self.facts.tp_size,
-            transfer_config=TransferConfig(load_timeout_s=self.config.load_timeout_s),
-        )
-        if tp_rank == 0:
-            register_local_store(self._engine_key, self._store)
+        rank = tensor_parallel_rank(self.facts.tp_size)
+        self._worker = build_worker(self.config, self.facts, tp_rank=rank)
+        if self.facts.tp_size == 1:
+            register_local_store(self.facts.engine_key, self._worker.store)
 
     # --- class-level hooks -----------------------------------------------------------
 
@@ -203,10 +160,10 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._worker is not None
         caches = self._worker.register_kv_caches(kv_caches)
         logger.info(
-            "hybridkv worker: engine KV cache layout %s; %s (%s copy per block and group)",
-            self.facts.kv_cache_layout,
+            "hybridkv worker %d: %s; %s per block and group",
+            self._worker.tp_rank,
             caches.describe(),
-            "one" if all(caches.block_major) else "one per layer",
+            "one copy" if all(caches.block_major) else "one copy per layer",
         )
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
@@ -235,15 +192,18 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return results
         report = self._worker.poll()
         self._report = self._report.merge(report)
-        for load in report.finished_loads:
-            results.finished_recving.add(load.req_id)
-            if load.ok:
-                continue
-            failed = {b for ids in load.failed_block_ids for b in ids}
-            if self._block_level_errors and failed and not load.cancelled:
-                self._invalid_block_ids |= failed  # the engine keeps the prefix before them
-            else:
-                results.failed_recving.add(load.req_id)  # block ids overlap across groups
+        for rank_report in report.ranks:
+            for load in rank_report.finished_loads:
+                # Failed loads are reported finished too (vLLM requires it without an
+                # aggregator), and failed below.
+                results.finished_recving.add(load.req_id)
+                if load.ok:
+                    continue
+                failed = {b for ids in load.failed_block_ids for b in ids}
+                if self._block_level_errors and failed and load.outcome is LoadOutcome.FAILED:
+                    self._invalid_block_ids |= failed  # the engine keeps the prefix before them
+                else:
+                    results.failed_recving.add(load.req_id)  # block ids overlap across groups
         return results
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -259,40 +219,33 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return None if report.is_empty else VllmWorkerMeta(report)
 
     def get_kv_connector_stats(self) -> HybridKVStats | None:
-        data = self._deltas.delta(self.counters())
+        counters = self._deltas.delta(self._samples())
+        seconds = self._worker.stats.take_load_seconds() if self._worker is not None else []
+        data = stats_data(counters, seconds)
         return HybridKVStats(data=data) if data else None
 
-    def counters(self) -> dict[str, float]:
-        """This side's counters since it started, named as in the ``hybridkv_*`` metrics.
-
-        The engine ships them with its steps: what a write-back finishes after
-        the last step reaches the metrics only with the next one.
-        """
-        counters: dict[str, float] = {}
+    def _samples(self) -> list[Sample]:
+        samples: list[Sample] = []
         if self._scheduler is not None:
-            counters.update(flatten("lookup", self._scheduler.stats.as_dict()))
+            samples += scheduler_samples(self._scheduler.stats)
         if self._worker is not None:
-            counters.update(self._worker_counters())
-        return counters
+            worker = self._worker
+            tiers = worker.store.stats_by_tier()
+            samples += worker_samples(worker.stats, self.facts.layout, tiers)
+        return samples
+
+    def counters(self) -> dict[str, float]:
+        """This side's totals since it started, by ``name{label=value,...}``.
+
+        The engine ships deltas of them with its steps: what a write-back
+        finishes after the last step reaches the metrics only with the next one.
+        """
+        return {sample.key: float(sample.value) for sample in self._samples()}
 
     def flush_writes(self, timeout_s: float | None = None) -> bool:
         """Worker side: wait until every queued write-back to the slower tiers is done
         (False on timeout). True at once on the scheduler side."""
-        return self._store is None or self._store.flush(timeout_s)
-
-    def _worker_counters(self) -> dict[str, float]:
-        assert self._worker is not None and self._store is not None
-        counters = flatten("load", self._worker.stats.as_dict())
-        store_names = {"store_blocks", "store_blocks_dropped"}
-        for name in store_names:
-            counters[f"store.{name}"] = counters.pop(f"load.{name}")
-        if self._worker.engine is not None:
-            transfer = self._worker.engine.stats()
-            counters["load.bytes"] = float(transfer.bytes["load"])
-            counters["store.bytes"] = float(transfer.bytes["store"])
-        for name, stats in self._store.stats_by_tier().items():
-            counters.update(flatten(f"tier.{name}", stats.as_dict()))
-        return counters
+        return self._worker is None or self._worker.store.flush(timeout_s)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the worker side's bookkeeping is inconsistent.
@@ -304,8 +257,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._worker.check_integrity()
 
     def shutdown(self) -> None:
-        if self._worker is not None and self._store is not None:
-            unregister_local_store(self._engine_key, self._store)
+        if self._worker is not None:
+            unregister_local_store(self.facts.engine_key, self._worker.store)
             self._worker.close()
             self._worker = None
         for tier in self._lookup_tiers:
@@ -340,6 +293,21 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._scheduler is not None
         self._scheduler.allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """Where the hit just planned comes from: host memory, disk or a remote pool."""
+        assert self._scheduler is not None
+        by_tier = self._scheduler.hit_sources(request.request_id)
+        tiers = self.config.tier_configs
+        sources: dict[CacheHitSource, int] = {}
+        for tier_index, num_tokens in by_tier.items():
+            source = _SOURCES[tiers[tier_index].medium]
+            sources[source] = sources.get(source, 0) + num_tokens
+        if sum(sources.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return sources
+
     def build_connector_meta(self, scheduler_output: Any) -> VllmMetadata:
         assert self._scheduler is not None
         step = step_input(scheduler_output, self._requests)
@@ -361,3 +329,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._scheduler is not None
         self._requests.pop(request.request_id, None)
         return self._scheduler.request_finished(request.request_id), None
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_external=True)``: hybridkv keeps its tiers
+        (they are the point of it); only the engine's own cache is reset."""
+        logger.info("hybridkv: reset of the external cache asked; its tiers are kept")
+        return None

@@ -1,15 +1,16 @@
-"""Connector metrics through vLLM 0.32's stats plumbing (logs and Prometheus).
+"""The connector's metrics through vLLM 0.32's stats plumbing (logs and Prometheus).
 
-The scheduler and worker sides each turn their monotonic counters into
-per-interval deltas (``CounterDeltas``); vLLM sums them across workers and
-steps (``HybridKVStats.aggregate``), logs ``reduce()`` periodically and hands
-the same data to ``HybridKVPromMetrics.observe`` in the API server process.
-Names are flat: ``lookup.*``, ``load.*``, ``store.*`` and ``tier.<name>.*``.
+Each side (scheduler, every worker) turns its monotonic totals into
+per-step deltas (``CounterDeltas``) plus the load durations since its last
+report; vLLM merges them across ranks and steps (``HybridKVStats.aggregate``),
+logs ``reduce()`` every few seconds and hands the merged data to
+``HybridKVPromMetrics.observe`` in the frontend process (the API server).
+Metric names, types and labels come from ``hybridkv.connector.metrics``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import REGISTRY
@@ -18,90 +19,77 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-PROM_PREFIX = "hybridkv_"
-MAX_SUFFIX = "_max"
-"""Gauges folded by max instead of sum."""
+from hybridkv.connector.metrics import CATALOG, PREFIX, MetricType, Sample
 
-TIER_COUNTERS: tuple[str, ...] = (
-    *("queries", "hits", "misses", "gets", "get_bytes", "puts", "put_bytes"),
-    *("corrupt", "errors", "evictions", "hit_tokens"),
-)
-
-PROM_COUNTERS: dict[str, str] = {
-    "lookup.lookups": "Hit lookups of requests",
-    "lookup.lookup_tokens": "Prompt tokens looked up (beyond the engine's own cache)",
-    "lookup.hits": "Lookups that found tokens to load",
-    "lookup.hit_tokens": "Tokens found by lookups",
-    "lookup.misses": "Lookups that found nothing beyond the engine's own cache",
-    "load.loads": "Loads started",
-    "load.loads_ok": "Loads that completed",
-    "load.loads_failed": "Loads that failed or timed out (recomputed)",
-    "load.loads_timed_out": "Loads that timed out",
-    "load.load_blocks": "Blocks loaded",
-    "load.load_failed_blocks": "Blocks that failed to load",
-    "load.load_latency_s_sum": "Seconds loads took (sum)",
-    "load.bytes": "Bytes loaded",
-    "store.store_blocks": "Blocks queued for storing",
-    "store.store_blocks_dropped": "Blocks not stored (backpressure, full or failing tier)",
-    "store.bytes": "Bytes stored",
-}
-
-
-def flatten(prefix: str, counters: Mapping[str, float]) -> dict[str, float]:
-    return {f"{prefix}.{name}": float(value) for name, value in counters.items()}
+COUNTERS = "counters"
+"""``data[COUNTERS]``: ``[[name, [label values], delta], ...]``."""
+LOAD_SECONDS = "load_seconds"
+"""``data[LOAD_SECONDS]``: durations of the loads finished in the interval."""
+LOAD_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class CounterDeltas:
-    """Turns monotonic counters into what changed since the previous call."""
+    """Turns monotonic samples into what changed since the previous call."""
 
     def __init__(self) -> None:
-        self._last: dict[str, float] = {}
+        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
 
-    def delta(self, counters: Mapping[str, float]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, value in counters.items():
-            if name.endswith(MAX_SUFFIX):
-                if value > self._last.get(name, 0.0):
-                    out[name] = value
-            elif value != self._last.get(name, 0.0):
-                out[name] = value - self._last.get(name, 0.0)
-            self._last[name] = value
+    def delta(self, samples: Iterable[Sample]) -> list[list[Any]]:
+        out: list[list[Any]] = []
+        for sample in samples:
+            key = (sample.name, sample.labels)
+            change = sample.value - self._last.get(key, 0.0)
+            self._last[key] = sample.value
+            if change:
+                out.append([sample.name, list(sample.labels), change])
         return out
+
+
+def stats_data(counters: list[list[Any]], load_seconds: list[float]) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    if counters:
+        data[COUNTERS] = counters
+    if load_seconds:
+        data[LOAD_SECONDS] = load_seconds
+    return data
 
 
 class HybridKVStats(KVConnectorStats):  # type: ignore[misc]
-    """Per-interval connector counters (a plain dict, serializable across processes)."""
+    """One interval's counter deltas and load durations (plain lists: they cross processes)."""
 
     def reset(self) -> None:
-        self.data: dict[str, float] = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        merged: dict[str, float] = dict(self.data)
-        for name, value in (other.data or {}).items():
-            if name.endswith(MAX_SUFFIX):
-                merged[name] = max(merged.get(name, 0.0), value)
-            else:
-                merged[name] = merged.get(name, 0.0) + value
-        return HybridKVStats(data=merged)
+        merged: dict[tuple[str, tuple[str, ...]], float] = {}
+        for data in (self.data, other.data or {}):
+            for name, labels, value in data.get(COUNTERS, ()):
+                key = (name, tuple(labels))
+                merged[key] = merged.get(key, 0.0) + value
+        counters = [[name, list(labels), value] for (name, labels), value in merged.items()]
+        seconds = [*self.data.get(LOAD_SECONDS, ()), *(other.data or {}).get(LOAD_SECONDS, ())]
+        return HybridKVStats(data=stats_data(counters, seconds))
 
     def reduce(self) -> dict[str, int | float]:
+        """Totals per metric (labels summed) and the mean load time, for vLLM's log line."""
+        totals: dict[str, float] = {}
+        for name, _, value in self.data.get(COUNTERS, ()):
+            totals[name] = totals.get(name, 0.0) + value
         out: dict[str, int | float] = {
             name: int(value) if float(value).is_integer() else round(value, 6)
-            for name, value in sorted(self.data.items())
+            for name, value in sorted(totals.items())
         }
-        loads = self.data.get("load.loads_ok", 0.0) + self.data.get("load.loads_failed", 0.0)
-        if loads:
-            out["load.latency_s_avg"] = round(
-                self.data.get("load.load_latency_s_sum", 0.0) / loads, 6
-            )
+        seconds = self.data.get(LOAD_SECONDS, ())
+        if seconds:
+            out["load_seconds_avg"] = round(sum(seconds) / len(seconds), 6)
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not self.data.get(COUNTERS) and not self.data.get(LOAD_SECONDS)
 
 
 class HybridKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
-    """Counters ``hybridkv_<group>_<name>_total``, and per tier with a ``tier`` label."""
+    """Every metric of the catalog, with vLLM's engine labels in front of its own."""
 
     def __init__(
         self,
@@ -112,39 +100,40 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_previous()
-        self._counters = {
-            name: self._counter_cls(
-                name=f"{PROM_PREFIX}{name.replace('.', '_')}_total",
-                documentation=doc,
-                labelnames=labelnames,
-            )
-            for name, doc in PROM_COUNTERS.items()
-        }
-        self._tier_counters = {
-            name: self._counter_cls(
-                name=f"{PROM_PREFIX}tier_{name}_total",
-                documentation=f"Tier {name.replace('_', ' ')}, per tier",
-                labelnames=[*labelnames, "tier"],
-            )
-            for name in TIER_COUNTERS
-        }
+        self._counters: dict[str, Any] = {}
+        self._load_seconds: Any = None
+        for metric in CATALOG:
+            names = [*labelnames, *metric.labels]
+            if metric.type is MetricType.HISTOGRAM:
+                self._load_seconds = self._histogram_cls(
+                    name=metric.exported_name,
+                    documentation=metric.help,
+                    labelnames=names,
+                    buckets=list(LOAD_SECONDS_BUCKETS),
+                )
+            else:
+                # prometheus_client adds "_total" to a counter's name itself.
+                self._counters[metric.name] = self._counter_cls(
+                    name=metric.exported_name.removesuffix("_total"),
+                    documentation=metric.help,
+                    labelnames=names,
+                )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        labels = self.per_engine_labelvalues.get(engine_idx, [])
-        for name, value in transfer_stats_data.items():
-            if value <= 0 or name.endswith(MAX_SUFFIX):
-                continue
-            if name in self._counters:
-                self._counters[name].labels(*labels).inc(value)
-            elif name.startswith("tier."):
-                tier, _, counter = name[len("tier.") :].rpartition(".")
-                if counter in self._tier_counters:
-                    self._tier_counters[counter].labels(*labels, tier).inc(value)
+        engine_labels = self.per_engine_labelvalues.get(engine_idx, [])
+        for name, labels, value in transfer_stats_data.get(COUNTERS, ()):
+            counter = self._counters.get(name)
+            if counter is not None and value > 0:
+                counter.labels(*engine_labels, *labels).inc(value)
+        if self._load_seconds is not None:
+            histogram = self._load_seconds.labels(*engine_labels)
+            for seconds in transfer_stats_data.get(LOAD_SECONDS, ()):
+                histogram.observe(seconds)
 
 
 def _unregister_previous() -> None:
     """Drop our collectors of an earlier engine in this process (vLLM does the same for
     its ``vllm:`` metrics); registering a name twice is an error."""
     for collector in list(REGISTRY._collector_to_names):
-        if getattr(collector, "_name", "").startswith(PROM_PREFIX):
+        if getattr(collector, "_name", "").startswith(PREFIX):
             REGISTRY.unregister(collector)

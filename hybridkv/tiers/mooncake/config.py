@@ -1,17 +1,15 @@
-"""Settings of the Mooncake Store tier, read without importing the client."""
+"""Settings of the Mooncake Store tier (``kind: mooncake``), read without importing the client."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Self
+from typing import Annotated, Literal
 
-from hybridkv.tiers.health import check_address
-from hybridkv.tiers.registry import ConfigReader, value_problems
+from pydantic import Field, StrictStr, field_validator
+from pydantic.dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from hybridkv.tiers.mooncake.tier import MooncakeTier
+from hybridkv.schema import CONFIG, ByteSize, Number
+from hybridkv.tiers.base import TierConfigBase
 
 
 class Protocol(enum.Enum):
@@ -19,83 +17,61 @@ class Protocol(enum.Enum):
     RDMA = "rdma"
 
 
-_MOONCAKE_KEYS = {
-    "master_address": 'the master\'s "host:port" (required)',
-    "metadata_server": 'transfer metadata service (default "P2PHANDSHAKE": none needed)',
-    "protocol": "'tcp' or 'rdma' (default 'tcp')",
-    "rdma_devices": 'RDMA device names for protocol rdma (default "")',
-    "local_hostname": 'address peers reach this process at (default "127.0.0.1")',
-    "local_buffer_bytes": "registered staging arena, half for loads and half for stores; "
-    'bounds one round trip and one object (default "128MiB")',
-    "global_segment_bytes": "memory this process lends to the pool; 0: none, the pool lives in "
-    "storage daemons (default 0)",
-    "load_weight": "relative cost of loading from this tier, > 0 (default 8.0)",
-    "op_timeout_s": "seconds before one round trip is abandoned as an error (default 2.0)",
-    "retry_interval_s": "seconds between probes of an unreachable pool (default 1.0)",
-}
+def check_address(address: str) -> str:
+    """``address`` if it is ``"host:port"`` with a port in 1..65535, else ValueError."""
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit() and 0 < int(port) < 65536:
+        return address
+    raise ValueError('must be "host:port" with a port in 1..65535')
 
 
-@dataclass(frozen=True, kw_only=True)
-class MooncakeConfig:
-    master_address: str
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: Protocol = Protocol.TCP
-    rdma_devices: str = ""
-    local_hostname: str = "127.0.0.1"
-    local_buffer_bytes: int = 128 << 20
-    """The registered staging arena (not Mooncake's own copy buffer, which stays unused)."""
-    global_segment_bytes: int = 0
-    load_weight: float = 8.0
-    op_timeout_s: float = 2.0
-    retry_interval_s: float = 1.0
+@dataclass(frozen=True, kw_only=True, config=CONFIG)
+class MooncakeConfig(TierConfigBase):
+    """``kind: mooncake``: a Mooncake Store pool shared by engines and machines."""
 
-    def __post_init__(self) -> None:
-        problems = value_problems(
-            capacity_bytes=self.local_buffer_bytes, minimum=64 << 10, load_weight=self.load_weight
-        )
-        problems += check_address("master_address", self.master_address)
-        if not self.global_segment_bytes >= 0:
-            problems.append(f"global_segment_bytes={self.global_segment_bytes!r}: must be >= 0")
-        for key in ("op_timeout_s", "retry_interval_s"):
-            if not getattr(self, key) > 0:
-                problems.append(f"{key}={getattr(self, key)!r}: must be > 0")
-        if problems:
-            raise ValueError("invalid MooncakeConfig: " + "; ".join(problems))
+    kind: Literal["mooncake"] = "mooncake"
+    master_address: Annotated[StrictStr, Field(description='the master\'s "host:port"')]
+    metadata_server: Annotated[
+        StrictStr, Field(min_length=1, description="transfer metadata service; default: none")
+    ] = "P2PHANDSHAKE"
+    protocol: Annotated[Protocol, Field(description="transport")] = Protocol.TCP
+    rdma_devices: Annotated[StrictStr, Field(description="RDMA device names for protocol rdma")] = (
+        ""
+    )
+    local_hostname: Annotated[
+        StrictStr, Field(min_length=1, description="address peers reach this process at")
+    ] = "127.0.0.1"
+    local_buffer_bytes: Annotated[
+        ByteSize,
+        Field(
+            ge=64 << 10,
+            description=(
+                "registered staging memory, half for loads and half for stores; bounds "
+                "one round trip and one object"
+            ),
+        ),
+    ] = 128 << 20
+    global_segment_bytes: Annotated[
+        ByteSize,
+        Field(
+            ge=0, description="memory this process lends to the pool; 0: storage daemons hold it"
+        ),
+    ] = 0
+    load_weight: Annotated[
+        Number, Field(gt=0, allow_inf_nan=False, description="relative cost of loading from it")
+    ] = 8.0
+    op_timeout_s: Annotated[
+        Number,
+        Field(gt=0, allow_inf_nan=False, description="seconds before one round trip is an error"),
+    ] = 2.0
+    retry_interval_s: Annotated[
+        Number,
+        Field(
+            gt=0, allow_inf_nan=False, description="seconds between probes of an unreachable pool"
+        ),
+    ] = 1.0
 
+    @field_validator("master_address")
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], *, where: str) -> Self:
-        reader = ConfigReader(raw, where=where, allowed=_MOONCAKE_KEYS)
-        master_address = reader.text("master_address")
-        if master_address:
-            reader.problems += check_address("master_address", master_address)
-        rdma_devices = raw.get("rdma_devices", "")
-        if not isinstance(rdma_devices, str):
-            reader.problems.append(f"rdma_devices={rdma_devices!r}: must be a string")
-        metadata_server = reader.text("metadata_server", default="P2PHANDSHAKE")
-        protocol = reader.choice("protocol", Protocol, default=Protocol.TCP)
-        local_hostname = reader.text("local_hostname", default="127.0.0.1")
-        local_buffer_bytes = reader.byte_size(
-            "local_buffer_bytes", minimum=64 << 10, default=128 << 20
-        )
-        global_segment_bytes = reader.byte_size("global_segment_bytes", minimum=0, default=0)
-        load_weight = reader.positive_float("load_weight", default=8.0)
-        op_timeout_s = reader.positive_float("op_timeout_s", default=2.0)
-        retry_interval_s = reader.positive_float("retry_interval_s", default=1.0)
-        reader.finish()
-        return cls(
-            master_address=master_address,
-            metadata_server=metadata_server,
-            protocol=protocol,
-            rdma_devices=str(rdma_devices),
-            local_hostname=local_hostname,
-            local_buffer_bytes=local_buffer_bytes,
-            global_segment_bytes=global_segment_bytes,
-            load_weight=load_weight,
-            op_timeout_s=op_timeout_s,
-            retry_interval_s=retry_interval_s,
-        )
-
-    def build(self) -> MooncakeTier:
-        from hybridkv.tiers.mooncake.tier import MooncakeTier
-
-        return MooncakeTier(self)
+    def _master_address(cls, value: str) -> str:
+        return check_address(value)

@@ -1,0 +1,178 @@
+"""What the connector needs to know about a vLLM 0.32 engine, read once from its config.
+
+vLLM's scheduler and worker processes. Turns vLLM's ``KVCacheConfig`` into a
+``KVLayoutSpec`` (refusing, in one error, every group we cannot serve
+correctly) and the engine's choices (hit alignment, tensor parallelism,
+EAGLE-style drafting) into ``EngineFacts``. Values the engine picks (block
+sizes vary by CPU) are always read from the engine, never assumed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+from hybridkv.connector.setup import EngineFacts
+from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+
+logger = logging.getLogger(__name__)
+
+_KINDS: dict[type, GroupKind] = {
+    FullAttentionSpec: GroupKind.FULL,
+    MLAAttentionSpec: GroupKind.FULL,
+    SlidingWindowSpec: GroupKind.SLIDING_WINDOW,
+    SlidingWindowMLASpec: GroupKind.SLIDING_WINDOW,
+    ChunkedLocalAttentionSpec: GroupKind.CHUNKED_LOCAL,
+    MambaSpec: GroupKind.MAMBA,
+}
+"""Exact spec classes we serve; subclasses with other semantics are refused."""
+
+
+def _group_problems(group_id: int, group: Any, mamba_mode: str | None) -> list[str]:
+    spec = group.kv_cache_spec
+    name = type(spec).__name__
+    where = f"KV cache group {group_id} ({name}, layers {list(group.layer_names)[:3]}...)"
+    problems = []
+    kind = _KINDS.get(type(spec))
+    if name == "CrossAttentionSpec":
+        problems.append(f"{where}: cross-attention (encoder-decoder) groups are not supported")
+    elif kind is None:
+        allowed = sorted(cls.__name__ for cls in _KINDS)
+        problems.append(f"{where}: spec {name} is not supported; supported specs: {allowed}")
+    if isinstance(spec, SlidingWindowMLASpec) and spec.bounded_replay:
+        problems.append(f"{where}: bounded-replay sliding windows are not supported")
+    if isinstance(spec, MambaSpec):
+        if spec.mamba_cache_mode != "align":
+            problems.append(
+                f"{where}: Mamba cache mode is {spec.mamba_cache_mode!r}; hybridkv needs "
+                "'align' (enable prefix caching, or pass --mamba-cache-mode align)"
+            )
+        if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
+            problems.append(
+                f"{where}: Mamba groups with speculative or checkpoint blocks (speculative "
+                "decoding) are not supported; disable speculative decoding"
+            )
+    if getattr(group, "host_resident", False) or not getattr(group, "enable_kv_transfer", True):
+        problems.append(f"{where}: host-resident or non-transferable groups are not supported")
+    return problems
+
+
+def check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse, in one ValueError, every part of this engine we cannot serve correctly."""
+    groups = kv_cache_config.kv_cache_groups
+    parallel = vllm_config.parallel_config
+    mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None)
+    problems: list[str] = []
+    if not groups:
+        problems.append("the model has no KV cache groups; nothing to offload")
+    for group_id, group in enumerate(groups):
+        problems += _group_problems(group_id, group, mamba_mode)
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    dcp = getattr(parallel, "decode_context_parallel_size", 1)
+    if pcp * dcp > 1:
+        # Multi-group layouts cannot work with it; one group would need hits aligned to
+        # block_size * dcp, which this connector does not do yet.
+        problems.append(
+            f"prefill/decode context parallel (pcp={pcp}, dcp={dcp}) is not supported "
+            f"({len(groups)} KV cache groups); use pcp = dcp = 1"
+        )
+    if parallel.pipeline_parallel_size > 1:
+        problems.append(
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported; use 1"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None and any(
+        isinstance(g.kv_cache_spec, MambaSpec) for g in groups
+    ):
+        problems.append("speculative decoding with Mamba groups is not supported")
+    if problems:
+        raise ValueError(
+            "hybridkv cannot serve this engine:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+def page_size_bytes(spec: Any) -> int:
+    """One layer's page: the bytes a kernel uses, without the allocator's padding."""
+    real = getattr(spec, "real_page_size_bytes", None)
+    return int(real if isinstance(real, int) and real > 0 else spec.page_size_bytes)
+
+
+def layout_from_config(kv_cache_config: Any, model_id: str) -> KVLayoutSpec:
+    """vLLM's groups as a ``KVLayoutSpec`` (call ``check_engine`` first)."""
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        kind = _KINDS[type(spec)]
+        groups.append(
+            KVGroup(
+                kind=kind,
+                block_size=int(spec.block_size),
+                page_size_bytes=page_size_bytes(spec),
+                layer_names=tuple(group.layer_names),
+                sliding_window=spec.sliding_window if kind is GroupKind.SLIDING_WINDOW else None,
+                attention_chunk_size=(
+                    spec.attention_chunk_size if kind is GroupKind.CHUNKED_LOCAL else None
+                ),
+            )
+        )
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or 0
+    return KVLayoutSpec(groups=tuple(groups), hash_block_size=hash_block_size, model_id=model_id)
+
+
+def default_model_id(vllm_config: Any) -> str:
+    """The model and revision: what makes the weights (and so the KV) differ."""
+    model_config = vllm_config.model_config
+    revision = getattr(model_config, "revision", None)
+    return f"{model_config.model}@{revision}" if revision else str(model_config.model)
+
+
+def model_namespace(model_id: str, vllm_config: Any, kv_cache_config: Any) -> str:
+    """``model_id`` plus what changes the bytes of a page (KV dtype, in-page order)."""
+    dtype = vllm_config.cache_config.cache_dtype
+    if dtype == "auto":
+        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
+    in_page = layout[-3:] if len(layout) == 5 else layout
+    return f"{model_id}|{dtype}|{in_page}"
+
+
+def engine_facts(
+    vllm_config: Any, kv_cache_config: Any, model_id: str | None, engine_key: str
+) -> EngineFacts:
+    check_engine(vllm_config, kv_cache_config)
+    name = model_namespace(model_id or default_model_id(vllm_config), vllm_config, kv_cache_config)
+    layout = layout_from_config(kv_cache_config, name)
+    alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
+    use_eagle, eagle_groups = eagle_drafting(vllm_config, kv_cache_config)
+    return EngineFacts(
+        layout=layout,
+        alignment_tokens=int(alignment or layout.scheduler_block_size),
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        use_eagle=use_eagle,
+        eagle_group_ids=eagle_groups,
+        engine_key=engine_key,
+    )
+
+
+def eagle_drafting(vllm_config: Any, kv_cache_config: Any) -> tuple[bool, frozenset[int]]:
+    """Whether the engine drops the last block of its hits for EAGLE-style drafting, and
+    which groups drop it (as vLLM's KV cache manager decides)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return False, frozenset()
+    drop = getattr(spec, "use_eagle_block_drop", None)
+    use_eagle = bool(drop() if callable(drop) else spec.use_eagle())
+    if not use_eagle:
+        return False, frozenset()
+    groups = kv_cache_config.kv_cache_groups
+    flagged = frozenset(i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False))
+    # vLLM flags every group when none is flagged (a separate draft model's layers).
+    return True, flagged or frozenset(range(len(groups)))

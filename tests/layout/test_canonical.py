@@ -1,0 +1,400 @@
+"""Canonical KV caches: allocation, detection of block-major storage, validation, and
+agreement with a brute-force reader of the engine-facing per-layer tensors."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.layout import (
+    CanonicalKVCaches,
+    KVLayoutKind,
+    allocate_kv_caches,
+    canonicalize,
+)
+from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.transfer import StagingArena
+from tests.support.kv_caches import VllmAllocate, group, qwen_next_like, real_vllm_allocator
+
+# ---------------------------------------------------------------- layouts and references
+
+
+def gemma_like(page: int = 4096) -> KVLayoutSpec:
+    """Sliding window + full attention, two layers each (vLLM groups layers 0,2 and 1,3)."""
+    return KVLayoutSpec(
+        groups=(
+            group(GroupKind.SLIDING_WINDOW, ("l.0", "l.2"), page),
+            group(GroupKind.FULL, ("l.1", "l.3"), page),
+        )
+    )
+
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def attention_shapes(layout: KVLayoutSpec, dtype: torch.dtype) -> Shapes:
+    """[kv_heads, block_size, C] pages, vLLM CPU style (K and V concatenated in C)."""
+    shapes: Shapes = {}
+    for g in layout.groups:
+        elements = g.page_size_bytes // dtype.itemsize
+        for name in g.layer_names:
+            shapes[name] = ((2, g.block_size, elements // (2 * g.block_size)), dtype)
+    return shapes
+
+
+def page_bytes(view: torch.Tensor, block_id: int) -> bytes:
+    """A page's bytes read through the engine-facing tensor (pages here are contiguous)."""
+    return view[block_id].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def reference_object(kv_caches: dict[str, torch.Tensor], g: KVGroup, block_id: int) -> bytes:
+    return b"".join(page_bytes(kv_caches[name], block_id) for name in g.layer_names)
+
+
+def object_via_spans(c: CanonicalKVCaches, group_id: int, block_id: int) -> bytes:
+    out = bytearray(c.layout.groups[group_id].block_bytes)
+    for span in c.group_block_spans(group_id):
+        row = c.tensors[span.tensor_idx][block_id]
+        chunk = row[span.offset_bytes : span.offset_bytes + span.num_bytes]
+        end = span.object_offset_bytes + span.num_bytes
+        out[span.object_offset_bytes : end] = chunk.numpy().tobytes()
+    return bytes(out)
+
+
+def fill_random(buffer: torch.Tensor, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8, generator=gen))
+
+
+# ---------------------------------------------------------------- allocation
+
+
+@pytest.mark.parametrize("kind", list(KVLayoutKind))
+def test_allocate_gives_engine_shapes_and_canonical_objects(kind: KVLayoutKind) -> None:
+    layout = gemma_like()
+    shapes = attention_shapes(layout, torch.float32)
+    alloc = allocate_kv_caches(layout, 8, kind=kind, shapes=shapes)
+    assert alloc.kind is kind
+    for name, (shape, dtype) in shapes.items():
+        assert alloc.kv_caches[name].shape == (8, *shape)
+        assert alloc.kv_caches[name].dtype == dtype
+    c = alloc.canonical
+    assert c.block_major == ((True, True) if kind is KVLayoutKind.BLOCK_MAJOR else (False, False))
+    # One physical slot per layer index, shared by that layer of each group.
+    assert len(c.tensors) == (1 if kind is KVLayoutKind.BLOCK_MAJOR else 2)
+    assert c.page_formats == ("float32[2,32,16]", "float32[2,32,16]")
+    fill_random(alloc.buffer, 1)
+    for group_id, g in enumerate(layout.groups):
+        spans = c.group_block_spans(group_id)
+        assert len(spans) == (1 if kind is KVLayoutKind.BLOCK_MAJOR else g.num_layers)
+        for block_id in range(8):
+            want = reference_object(alloc.kv_caches, g, block_id)
+            assert object_via_spans(c, group_id, block_id) == want
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether the mapping holding ``address`` may get transparent huge pages."""
+    start = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                low, high = (int(part, 16) for part in first.split("-"))
+                start = low if low <= address < high else None
+            elif start is not None and first == "THPeligible:":
+                return line.split()[1] == "1"
+    raise AssertionError(f"no THPeligible line for {address:#x}")
+
+
+def _thp_mode() -> str:
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(path) or not os.path.exists("/proc/self/smaps"):
+        return "[never]"
+    with open(path) as file:
+        return file.read()
+
+
+@pytest.mark.skipif("[never]" in _thp_mode(), reason="no transparent huge pages here")
+def test_cpu_caches_and_staging_may_use_huge_pages() -> None:
+    """Scattered block copies miss the TLB far less on huge pages (bench_transfer)."""
+    alloc = allocate_kv_caches(gemma_like(page=1 << 20), 16, kind=KVLayoutKind.LAYER_MAJOR)
+    middle = alloc.buffer.numel() // 2  # the first bytes may share a page with malloc's
+    assert _thp_eligible(alloc.buffer.data_ptr() + middle)
+    arena = StagingArena(32 << 20)
+    assert _thp_eligible(arena.array.ctypes.data + (16 << 20))
+    if "[always]" not in _thp_mode():
+        plain = torch.zeros(32 << 20, dtype=torch.int8)  # what torch alone gives
+        assert not _thp_eligible(plain.data_ptr() + (16 << 20))
+
+
+def test_block_major_groups_share_one_slot_per_layer_index() -> None:
+    """Uniform pages: layer i of every group uses the same bytes of block b."""
+    alloc = allocate_kv_caches(gemma_like(), 4, kind=KVLayoutKind.BLOCK_MAJOR)
+    kv = alloc.kv_caches
+    assert kv["l.0"][2].data_ptr() == kv["l.1"][2].data_ptr()
+    assert kv["l.2"][2].data_ptr() == kv["l.3"][2].data_ptr()
+    assert kv["l.2"][2].data_ptr() - kv["l.0"][2].data_ptr() == 4096
+    assert alloc.buffer.numel() == 4 * 2 * 4096
+
+
+def test_block_major_with_uneven_groups_pads_rows_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    even = KVLayoutSpec(
+        groups=(
+            group(GroupKind.FULL, ("a.0",), 3000),
+            group(GroupKind.MAMBA, ("m.1", "m.2", "m.3"), 1000),
+        )
+    )
+    with caplog.at_level(logging.WARNING, logger="hybridkv.layout"):
+        allocate_kv_caches(even, 5, kind=KVLayoutKind.BLOCK_MAJOR)
+        allocate_kv_caches(gemma_like(), 5, kind=KVLayoutKind.BLOCK_MAJOR)
+    assert not caplog.records  # equal group blocks waste nothing: nothing to say
+    uneven = KVLayoutSpec(
+        groups=(
+            group(GroupKind.FULL, ("a.0",), 3000),
+            group(GroupKind.MAMBA, ("m.1", "m.2", "m.3"), 900),
+        )
+    )
+    with caplog.at_level(logging.WARNING, logger="hybridkv.layout"):
+        alloc = allocate_kv_caches(uneven, 5, kind=KVLayoutKind.BLOCK_MAJOR)
+    assert alloc.kind is KVLayoutKind.BLOCK_MAJOR
+    assert alloc.canonical.block_major == (True, True)
+    assert alloc.buffer.numel() == 5 * 3008  # rows padded to 16 bytes
+    assert "group block bytes differ ([3000, 2700])" in caplog.text
+    assert "group(s) [1] leaves [300] bytes unused" in caplog.text
+
+
+def test_layer_major_slots_use_the_largest_page_of_their_layer_index() -> None:
+    layout = KVLayoutSpec(
+        groups=(
+            group(GroupKind.FULL, ("a.0", "a.1"), 2048),
+            group(GroupKind.MAMBA, ("m.0",), 4096),
+        )
+    )
+    alloc = allocate_kv_caches(layout, 3, kind=KVLayoutKind.LAYER_MAJOR)
+    assert alloc.buffer.numel() == 3 * 4096 + 3 * 2048
+    assert alloc.kv_caches["a.0"].data_ptr() == alloc.kv_caches["m.0"].data_ptr()
+    assert alloc.kv_caches["a.0"].stride(0) == 4096  # padded row of the shared slot
+    fill_random(alloc.buffer, 2)
+    for group_id, g in enumerate(layout.groups):
+        for block_id in range(3):
+            want = reference_object(alloc.kv_caches, g, block_id)
+            assert object_via_spans(alloc.canonical, group_id, block_id) == want
+
+
+def test_allocate_rejects_bad_arguments_with_every_problem() -> None:
+    layout = gemma_like()
+    with pytest.raises(ValueError) as err:
+        allocate_kv_caches(
+            layout,
+            0,
+            shapes={"l.0": ((2, 32, 8), torch.float32), "nope": ((1,), torch.int8)},
+        )
+    text = str(err.value)
+    assert "num_blocks=0 must be an int > 0" in text
+    assert "['nope']" in text
+    assert "shapes['l.0']" in text and "2048 bytes per block" in text
+    assert "page_size_bytes=4096" in text
+
+
+# ---------------------------------------------------------------- canonicalize
+
+
+def test_separate_tensors_per_layer_are_layer_major() -> None:
+    layout = gemma_like()
+    kv = {name: torch.randn(6, 2, 32, 16) for g in layout.groups for name in g.layer_names}
+    c = canonicalize(kv, layout)
+    assert len(c.tensors) == 4 and c.block_major == (False, False)
+    for group_id, g in enumerate(layout.groups):
+        for block_id in range(6):
+            assert object_via_spans(c, group_id, block_id) == reference_object(kv, g, block_id)
+
+
+def test_layers_of_different_groups_sharing_storage_are_deduplicated() -> None:
+    layout = gemma_like()
+    slot0 = torch.randn(6, 2, 32, 16)
+    slot1 = torch.randn(6, 2, 32, 16)
+    kv = {"l.0": slot0, "l.1": slot0, "l.2": slot1, "l.3": slot1}
+    c = canonicalize(kv, layout)
+    assert len(c.tensors) == 2
+    assert c.group_refs[0][0] == c.group_refs[1][0]
+    assert c.group_refs[0][1] == c.group_refs[1][1]
+
+
+def test_kernel_blocks_group_into_engine_blocks() -> None:
+    """vLLM may split a block of 64 tokens into two kernel blocks of 32."""
+    layout = KVLayoutSpec(groups=(group(GroupKind.FULL, ("a.0", "a.1"), 8192, block_size=64),))
+    storage = torch.randn(2, 10, 2, 32, 16)  # layer, kernel block, heads, tokens, C
+    kv = {"a.0": storage[0], "a.1": storage[1]}
+    c = canonicalize(kv, layout)
+    assert c.num_blocks == 5
+    assert c.page_formats == ("float32[2,2,32,16]",)
+    want = storage[1, 6:8].contiguous().view(torch.uint8).numpy().tobytes()
+    got = object_via_spans(c, 0, 3)[8192:]
+    assert got == want
+
+
+def test_padded_mamba_page_inside_a_larger_block_stride() -> None:
+    """vLLM CPU: Mamba layers are raw int8 [blocks, 1, 1, state] views with a padded stride."""
+    buffer = torch.randint(-128, 128, (4 * 512,), dtype=torch.int8)
+    view = buffer.as_strided((4, 1, 1, 300), (512, 300, 300, 1))
+    for page in (300, 512):
+        layout = KVLayoutSpec(groups=(group(GroupKind.MAMBA, ("m.0",), page),))
+        c = canonicalize({"m.0": view}, layout)
+        assert object_via_spans(c, 0, 2) == buffer[1024 : 1024 + page].numpy().tobytes()
+        assert c.page_formats == (("int8[300]" if page == 300 else "int8[300]+212pad"),)
+
+
+def test_permuted_page_is_accepted_when_its_bytes_are_one_run() -> None:
+    """Layout [B, N, H, C] viewed as [B, H, N, C]: the page is dense, dims just permuted."""
+    layout = KVLayoutSpec(groups=(group(GroupKind.FULL, ("a.0",), 4096),))
+    physical = torch.randn(3, 32, 2, 16)  # block, tokens, heads, C
+    c = canonicalize({"a.0": physical.permute(0, 2, 1, 3)}, layout)
+    assert c.page_formats == ("float32[32,2,16]",)
+    assert object_via_spans(c, 0, 1) == physical[1].numpy().tobytes()
+
+
+def test_canonicalize_names_every_problem() -> None:
+    layout = gemma_like()
+    heads_outside = torch.randn(2, 6, 32, 16).transpose(0, 1)  # [H, B, N, C] storage
+    kv = {
+        "l.0": heads_outside,
+        "l.1": torch.randn(6, 2, 32, 24),  # 6144-byte page for a 4096-byte group
+        "ghost.9": torch.randn(6, 2, 32, 16),
+    }
+    with pytest.raises(ValueError) as err:
+        canonicalize(kv, layout)
+    text = str(err.value)
+    assert "layer 'l.3' of group 1 is missing" in text
+    assert "['ghost.9'] are registered but in no group" in text
+    assert "layer 'l.0' (group 0, shape (6, 2, 32, 16)" in text
+    assert "physically outermost" in text
+    assert "layer 'l.1'" in text and "= 6144 bytes" in text and "page_size_bytes=4096" in text
+
+
+def test_canonicalize_rejects_disagreeing_block_counts_and_aliased_pages() -> None:
+    layout = gemma_like()
+    shared = torch.randn(6, 2, 32, 16)
+    kv = {"l.0": shared, "l.2": shared, "l.1": torch.randn(6, 2, 32, 16)}
+    kv["l.3"] = torch.randn(5, 2, 32, 16)
+    with pytest.raises(ValueError) as err:
+        canonicalize(kv, layout)
+    assert "disagree on num_blocks {'l.0': 6, 'l.2': 6, 'l.1': 6, 'l.3': 5}" in str(err.value)
+    kv["l.3"] = torch.randn(6, 2, 32, 8)  # half pages: read as 2 kernel blocks per block
+    with pytest.raises(ValueError) as err:
+        canonicalize(kv, layout)
+    assert "'l.3': '3 (2 kernel blocks of 2048 bytes each)'" in str(err.value)
+    kv["l.3"] = torch.randn(6, 2, 32, 16)
+    with pytest.raises(ValueError, match=r"layers 'l.0' and 'l.2' of group 0 share page bytes"):
+        canonicalize(kv, layout)
+
+
+# ---------------------------------------------------------------- property test
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[KVLayoutSpec, Shapes, int]:
+    kinds = [GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL, GroupKind.MAMBA]
+    dtypes = [torch.int8, torch.bfloat16, torch.float32]
+    groups = []
+    shapes: Shapes = {}
+    for gid in range(draw(st.integers(1, 3))):
+        num_layers = draw(st.integers(1, 3))
+        dtype = draw(st.sampled_from(dtypes))
+        dims = (draw(st.integers(1, 3)), draw(st.integers(1, 40)))
+        names = tuple(f"g{gid}.l{i}" for i in range(num_layers))
+        page = dims[0] * dims[1] * dtype.itemsize
+        groups.append(group(draw(st.sampled_from(kinds)), names, page))
+        shapes.update({name: (dims, dtype) for name in names})
+    return KVLayoutSpec(groups=tuple(groups)), shapes, draw(st.integers(1, 5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts(), st.sampled_from(list(KVLayoutKind)), st.integers(0, 2**31))
+def test_canonical_objects_match_the_per_layer_tensors(
+    spec: tuple[KVLayoutSpec, Shapes, int], kind: KVLayoutKind, seed: int
+) -> None:
+    layout, shapes, num_blocks = spec
+    alloc = allocate_kv_caches(layout, num_blocks, kind=kind, shapes=shapes)
+    fill_random(alloc.buffer, seed)
+    c = alloc.canonical
+    assert len(c.tensors) == len({t.data_ptr() for t in c.tensors})
+    if kind is KVLayoutKind.BLOCK_MAJOR:
+        assert all(c.block_major)
+    for group_id, g in enumerate(layout.groups):
+        assert sum(s.num_bytes for s in c.group_block_spans(group_id)) == g.block_bytes
+        for block_id in range(num_blocks):
+            want = reference_object(alloc.kv_caches, g, block_id)
+            assert object_via_spans(c, group_id, block_id) == want
+    # Rebuilding from the views alone finds the same description.
+    again = canonicalize(alloc.kv_caches, layout)
+    assert again.group_refs == c.group_refs and again.block_major == c.block_major
+
+
+# ---------------------------------------------------------------- real vLLM allocation
+
+
+@pytest.fixture(scope="module")
+def vllm_allocate() -> VllmAllocate:
+    return real_vllm_allocator()
+
+
+VLLM_IMPORT_WARNINGS = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@VLLM_IMPORT_WARNINGS
+@pytest.mark.parametrize(("layout_name", "block_major"), [("LBHNC", False), ("BLHNC", True)])
+def test_real_vllm_allocation_is_canonicalized(
+    vllm_allocate: VllmAllocate, layout_name: str, block_major: bool
+) -> None:
+    kv, attn_page, mamba_real = vllm_allocate(layout_name)
+    layout = qwen_next_like(attn_page, attn_page)  # vLLM's padded Mamba page size
+    c = canonicalize(kv, layout)
+    assert c.block_major == (block_major,) * 3
+    assert len(c.tensors) == (1 if block_major else 2)  # every group overlays the same slots
+    torch.manual_seed(3)
+    for t in kv.values():
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+    for group_id, g in enumerate(layout.groups):
+        for block_id in (0, 7, c.num_blocks - 1):
+            got = object_via_spans(c, group_id, block_id)
+            for i, name in enumerate(g.layer_names):
+                page = got[i * attn_page : (i + 1) * attn_page]
+                real = page_bytes(kv[name], block_id)
+                assert page[: len(real)] == real
+    # The unpadded Mamba page works too; then Mamba blocks are one span per layer.
+    c = canonicalize(kv, qwen_next_like(attn_page, mamba_real))
+    assert c.block_major == (block_major, False, False)
+
+
+@VLLM_IMPORT_WARNINGS
+def test_real_vllm_layout_without_leading_blocks_is_rejected(vllm_allocate: VllmAllocate) -> None:
+    kv, attn_page, _ = vllm_allocate("LHBNC")
+    with pytest.raises(ValueError, match=r"layer 'a.0' .* physically outermost"):
+        canonicalize(kv, qwen_next_like(attn_page, attn_page))
+
+
+def test_objects_are_independent_of_storage_layout() -> None:
+    """The same per-layer contents give the same objects in both layouts."""
+    layout = gemma_like(page=2048)
+    shapes = attention_shapes(layout, torch.bfloat16)
+    a = allocate_kv_caches(layout, 4, kind=KVLayoutKind.BLOCK_MAJOR, shapes=shapes)
+    b = allocate_kv_caches(layout, 4, kind=KVLayoutKind.LAYER_MAJOR, shapes=shapes)
+    fill_random(a.buffer, 9)
+    for block_id in range(4):
+        owner = block_id % 2  # block ids come from one pool: each has one owning group
+        for name in layout.groups[owner].layer_names:
+            b.kv_caches[name][block_id].copy_(a.kv_caches[name][block_id])
+    for block_id in range(4):
+        owner = block_id % 2
+        got_a = object_via_spans(a.canonical, owner, block_id)
+        assert got_a == object_via_spans(b.canonical, owner, block_id)
+        assert np.frombuffer(got_a, np.uint8).any()

@@ -1,0 +1,284 @@
+"""Real-model presets, checked against vLLM's own grouping and page-size code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from hybridkv.spec import GroupKind, KVLayoutSpec
+from hybridkv.spec.presets import (
+    DEEPSEEK_V4_PAGE_BYTES,
+    PRESETS,
+    QWEN3_NEXT_STATE_BYTES,
+    LayerKV,
+    attention_block_size_for_state,
+    attention_page_size_bytes,
+    deepseek_v4_flash,
+    gemma3_27b,
+    gpt_oss_20b,
+    group_layers_like_vllm,
+    load_layout,
+    qwen3_next_80b_a3b,
+)
+
+BF16 = torch.bfloat16
+
+
+def vllm_groups(specs: dict[str, KVCacheSpec]) -> list[tuple[str, list[str], int]]:
+    """vLLM's grouping of the given per-layer specs: (spec type, layer names, page bytes)."""
+    return [
+        (type(g.kv_cache_spec).__name__, list(g.layer_names), g.kv_cache_spec.page_size_bytes)
+        for g in _get_kv_cache_groups_uniform_page_size(specs)
+    ]
+
+
+VLLM_TYPE = {
+    GroupKind.FULL: "FullAttentionSpec",
+    GroupKind.SLIDING_WINDOW: "SlidingWindowSpec",
+    GroupKind.MAMBA: "MambaSpec",
+}
+
+
+def ours(layout: KVLayoutSpec) -> list[tuple[str, list[str], int]]:
+    return [(VLLM_TYPE[g.kind], list(g.layer_names), g.page_size_bytes) for g in layout.groups]
+
+
+def test_preset_names() -> None:
+    assert sorted(PRESETS) == [
+        "deepseek-v4-flash",
+        "gemma3-27b",
+        "gpt-oss-20b",
+        "qwen3-next-80b-a3b",
+    ]
+    for name, build in PRESETS.items():
+        layout = build()
+        assert layout == build()  # deterministic
+        assert load_layout(name) == layout
+
+
+# ---------------------------------------------------------------- Gemma 3 27B
+
+
+def test_gemma3_27b_matches_vllm() -> None:
+    layout = gemma3_27b()
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(62):
+        name = f"language_model.model.layers.{i}.self_attn.attn"
+        if (i + 1) % 6 == 0:
+            specs[name] = FullAttentionSpec(
+                block_size=16, num_kv_heads=16, head_size=128, dtype=BF16
+            )
+        else:
+            specs[name] = SlidingWindowSpec(
+                block_size=16, num_kv_heads=16, head_size=128, dtype=BF16, sliding_window=1024
+            )
+    assert ours(layout) == vllm_groups(specs)
+    assert [g.num_layers for g in layout.groups] == [9, 9, 9, 9, 8, 8, 10]
+    assert layout.groups[-1].kind is GroupKind.FULL
+    assert {g.sliding_window for g in layout.groups[:-1]} == {1024}
+    assert layout.groups[0].page_size_bytes == 2 * 16 * 16 * 128 * 2 == 131072
+    assert (layout.scheduler_block_size, layout.hash_block_size) == (16, 16)
+    assert sum(g.num_layers for g in layout.groups) == 62
+
+
+# ---------------------------------------------------------------- gpt-oss-20b
+
+
+def test_gpt_oss_20b_matches_vllm() -> None:
+    layout = gpt_oss_20b()
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(24):
+        name = f"model.layers.{i}.attn.attn"
+        if i % 2 == 0:
+            specs[name] = SlidingWindowSpec(
+                block_size=16, num_kv_heads=8, head_size=64, dtype=BF16, sliding_window=128
+            )
+        else:
+            specs[name] = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=BF16)
+    assert ours(layout) == vllm_groups(specs)
+    assert [(g.kind, g.num_layers) for g in layout.groups] == [
+        (GroupKind.SLIDING_WINDOW, 12),
+        (GroupKind.FULL, 12),
+    ]
+    assert layout.groups[0].sliding_window == 128
+    assert layout.groups[0].page_size_bytes == 32768
+
+
+# ---------------------------------------------------------------- Qwen3-Next-80B-A3B
+
+
+def test_qwen3_next_state_size_is_vllms() -> None:
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 16, 32, 128, 128, 4)
+    state = MambaSpec(shapes=shapes, dtypes=(BF16, BF16), block_size=544)
+    assert state.page_size_bytes == QWEN3_NEXT_STATE_BYTES == 1_097_728
+
+
+def test_qwen3_next_block_size_is_the_smallest_that_fits_the_state() -> None:
+    per_token = FullAttentionSpec(
+        block_size=1, num_kv_heads=2, head_size=256, dtype=BF16
+    ).page_size_bytes
+    assert per_token == attention_page_size_bytes(block_size=1, num_kv_heads=2, head_dim=256)
+    brute = next(bs for bs in range(16, 10_000, 16) if bs * per_token >= QWEN3_NEXT_STATE_BYTES)
+    assert brute == 544
+    assert (
+        attention_block_size_for_state(
+            state_bytes=QWEN3_NEXT_STATE_BYTES, attention_bytes_per_token=per_token
+        )
+        == brute
+    )
+    # The CPU backend's kernel alignment of 32 lands on the same size.
+    assert (
+        attention_block_size_for_state(
+            state_bytes=QWEN3_NEXT_STATE_BYTES,
+            attention_bytes_per_token=per_token,
+            kernel_block_size=32,
+        )
+        == 544
+    )
+
+
+def test_qwen3_next_80b_a3b_matches_vllm() -> None:
+    layout = qwen3_next_80b_a3b()
+    attention_page = 544 * 2048
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 16, 32, 128, 128, 4)
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(48):
+        if (i + 1) % 4 == 0:
+            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+                block_size=544, num_kv_heads=2, head_size=256, dtype=BF16
+            )
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                shapes=shapes,
+                dtypes=(BF16, BF16),
+                block_size=544,
+                page_size_padded=attention_page,
+                mamba_cache_mode="align",
+            )
+    assert ours(layout) == vllm_groups(specs)
+    assert [(g.kind, g.num_layers) for g in layout.groups] == [(GroupKind.MAMBA, 12)] * 3 + [
+        (GroupKind.FULL, 12)
+    ]
+    assert layout.block_sizes == (544,) * 4
+    assert {g.page_size_bytes for g in layout.groups} == {attention_page}
+
+
+# ---------------------------------------------------------------- DeepSeek-V4-Flash
+
+
+def test_deepseek_v4_flash_has_five_groups_of_the_noted_block_sizes() -> None:
+    layout = deepseek_v4_flash()
+    assert layout.block_sizes == (256, 64, 64, 4, 8)
+    assert (layout.scheduler_block_size, layout.hash_block_size) == (256, 4)
+    assert [g.kind for g in layout.groups] == [GroupKind.FULL] + [GroupKind.SLIDING_WINDOW] * 4
+    assert [g.sliding_window for g in layout.groups] == [None, 128, 128, 8, 128]
+    # 41 compressed layers + 21 CSA indexers; 43 sliding-window caches split even/odd;
+    # 21 CSA attention + 21 CSA indexer compressor states; 20 HCA compressor states.
+    assert [g.num_layers for g in layout.groups] == [62, 22, 21, 42, 20]
+    assert {g.page_size_bytes for g in layout.groups} == {DEEPSEEK_V4_PAGE_BYTES}
+    assert DEEPSEEK_V4_PAGE_BYTES % 576 == 0 and 0 <= DEEPSEEK_V4_PAGE_BYTES - 64 * 584 < 576
+
+
+# ---------------------------------------------------------------- the grouping rule itself
+
+KINDS = {
+    "full": (
+        LayerKV(kind=GroupKind.FULL, block_size=16, page_size_bytes=4096),
+        FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=BF16),
+    ),
+    "sw32": (
+        LayerKV(
+            kind=GroupKind.SLIDING_WINDOW, block_size=16, page_size_bytes=4096, sliding_window=32
+        ),
+        SlidingWindowSpec(
+            block_size=16, num_kv_heads=1, head_size=64, dtype=BF16, sliding_window=32
+        ),
+    ),
+    "sw64": (
+        LayerKV(
+            kind=GroupKind.SLIDING_WINDOW, block_size=16, page_size_bytes=4096, sliding_window=64
+        ),
+        SlidingWindowSpec(
+            block_size=16, num_kv_heads=1, head_size=64, dtype=BF16, sliding_window=64
+        ),
+    ),
+}
+
+
+@given(st.lists(st.sampled_from(sorted(KINDS)), min_size=1, max_size=40))
+@settings(max_examples=100, deadline=None)
+def test_grouping_matches_vllm_for_any_layer_pattern(pattern: list[str]) -> None:
+    ours_groups = group_layers_like_vllm([(f"l{i}", KINDS[k][0]) for i, k in enumerate(pattern)])
+    theirs = _get_kv_cache_groups_uniform_page_size(
+        {f"l{i}": KINDS[k][1] for i, k in enumerate(pattern)}
+    )
+    assert [list(g.layer_names) for g in ours_groups] == [list(g.layer_names) for g in theirs]
+    for mine, vllm_group in zip(ours_groups, theirs, strict=True):
+        window = getattr(vllm_group.kv_cache_spec, "sliding_window", None)
+        assert mine.sliding_window == window
+
+
+# ---------------------------------------------------------------- load_layout
+
+
+def test_load_layout_reads_a_layout_file(tmp_path: Path) -> None:
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps(gpt_oss_20b().to_dict()))
+    assert load_layout(path) == gpt_oss_20b()
+    assert load_layout(str(path)).fingerprint == gpt_oss_20b().fingerprint
+
+
+def test_load_layout_unknown_name_lists_presets() -> None:
+    with pytest.raises(FileNotFoundError) as info:
+        load_layout("llama-9000")
+    message = str(info.value)
+    assert "'llama-9000' is neither a preset nor a layout JSON file" in message
+    for name in PRESETS:
+        assert name in message
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("{not json", "is not readable JSON"),
+        ("[1, 2]", "must hold a JSON object"),
+        ('{"groups": [], "model_id": "m"}', "groups is empty; at least one group needed"),
+        (
+            json.dumps(
+                {
+                    "groups": [
+                        {
+                            "kind": "full",
+                            "block_size": 0,
+                            "page_size_bytes": 8,
+                            "layer_names": ["a"],
+                        }
+                    ]
+                }
+            ),
+            "block_size=0 must be > 0",
+        ),
+    ],
+)
+def test_load_layout_bad_files_name_the_file_and_problem(
+    tmp_path: Path, content: str, fragment: str
+) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError) as info:
+        load_layout(path)
+    assert str(path) in str(info.value)
+    assert fragment in str(info.value)

@@ -1,0 +1,227 @@
+"""Scheduler/worker pairs on real tiers in a temporary directory, and scenario steps
+shared by the connector tests (test helper)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.lookup import KeyLookup
+from hybridkv.connector.metadata import BlockRef
+from hybridkv.connector.scheduler import ConnectorScheduler
+from hybridkv.connector.setup import EngineFacts, build_lookup, build_store, lookup_for_store
+from hybridkv.connector.worker import ConnectorWorker
+from hybridkv.keys import KeyBuilder, KeyNamespace, RequestBlockHasher
+from hybridkv.spec import GroupKind, KVLayoutSpec
+from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier, TierStats, TierUsage
+from hybridkv.tiers.codec import key_digest
+from hybridkv.tiers.disk import segments
+from hybridkv.tiers.disk.config import DiskConfig
+from hybridkv.tiers.disk.tier import DiskTier
+from hybridkv.tiers.tiered.store import TieredStore
+from hybridkv.transfer import TransferConfig
+from tests.support.sim import SimEngine, SimRequest, expected_state
+
+STAGING_BYTES = 4 << 20
+
+
+def make_config(cache_dir: Path, **extra: Any) -> ConnectorConfig:
+    raw: dict[str, Any] = {"cache_dir": str(cache_dir)}
+    if "tiers" not in extra:
+        raw.update(cpu_capacity_bytes="8MiB", disk_capacity_bytes="64MiB")
+    raw.update(extra)
+    return ConnectorConfig.from_dict(raw)
+
+
+def make_engine(
+    layout: KVLayoutSpec,
+    config: ConnectorConfig,
+    *,
+    store: TieredStore | None = None,
+    lookup: KeyLookup | None = None,
+    load_timeout_s: float | None = 30.0,
+    **engine_kwargs: Any,
+) -> SimEngine:
+    """A fresh engine: new KV tensors, new tiers (the disk directory persists)."""
+    store = store if store is not None else build_store(config.tier_configs, config)
+    worker = ConnectorWorker(
+        layout,
+        store,
+        transfer_config=TransferConfig(staging_bytes=STAGING_BYTES, load_timeout_s=load_timeout_s),
+    )
+    if lookup is None:
+        lookup = lookup_for_store(store)
+    scheduler = ConnectorScheduler(layout, lookup, selection=config.selection)
+    return SimEngine(layout, scheduler, worker, **engine_kwargs)
+
+
+def make_remote_lookup(
+    config: ConnectorConfig, layout: KVLayoutSpec
+) -> tuple[KeyLookup, list[Tier]]:
+    """The lookup a scheduler in another process than the worker builds."""
+    facts = EngineFacts(
+        layout=layout,
+        alignment_tokens=layout.scheduler_block_size,
+        engine_key="no-worker-in-this-process",
+    )
+    return build_lookup(config, facts)
+
+
+def close_engine(engine: SimEngine) -> None:
+    engine.worker.check_integrity()
+    engine.worker.close()
+
+
+def disk_tier(config: ConnectorConfig) -> DiskTier:
+    """A second, read-only instance of the config's disk tier (another process's view)."""
+    return DiskTier(disk_config(config).lookup_only())
+
+
+def disk_config(config: ConnectorConfig) -> DiskConfig:
+    return next(c for c in config.tier_configs if isinstance(c, DiskConfig))
+
+
+def remove_from_disk(config: ConnectorConfig, keys: Sequence[StoreKey]) -> int:
+    """Mark the keys' slots dead behind the writer's back (as damage from outside would)."""
+    disk = disk_config(config)
+    digests = {key_digest(key).hex() for key in keys}
+    removed = 0
+    for record in segments.iter_records(disk.path):
+        if record.digest in digests and record.state is segments.SlotState.LIVE:
+            fd = os.open(record.path, os.O_WRONLY)
+            try:
+                segments.write_slot_state(fd, record.slot, segments.SlotState.DEAD)
+            finally:
+                os.close(fd)
+            removed += 1
+    return removed
+
+
+def block_refs(
+    layout: KVLayoutSpec, tokens: Sequence[int], group_id: int, indices: Sequence[int]
+) -> list[BlockRef]:
+    """The rank-free names of a request's group blocks."""
+    hasher = RequestBlockHasher(layout.hash_block_size)
+    hasher.extend(tokens)
+    builder = KeyBuilder(layout, KeyNamespace.for_layout(layout))
+    hashes = builder.block_hashes(group_id, hasher.block_hashes, indices)
+    return [BlockRef(group_id, h) for h in hashes]
+
+
+def block_keys(
+    layout: KVLayoutSpec,
+    tokens: Sequence[int],
+    group_id: int,
+    indices: Sequence[int],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> list[StoreKey]:
+    """The store keys of a request's group blocks in one rank's namespace."""
+    namespace = KeyNamespace.for_layout(layout, tp_rank=tp_rank, tp_size=tp_size)
+    builder = KeyBuilder(layout, namespace)
+    return [builder.key(*ref) for ref in block_refs(layout, tokens, group_id, indices)]
+
+
+class GatedTier(Tier):
+    """A real tier whose reads wait until ``release()`` (a slow or hung tier)."""
+
+    def __init__(self, inner: Tier) -> None:
+        self.inner = inner
+        self.name = f"gated-{inner.name}"
+        self.load_weight = inner.load_weight
+        self.gate = threading.Event()
+        self.num_waiting = 0
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        return self.inner.contains_many(keys)
+
+    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+        return self.inner.put_many(keys, buffers)
+
+    def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
+        self.num_waiting += 1
+        self.gate.wait(timeout=30)
+        return self.inner.get_many_into(keys, buffers)
+
+    def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        return self.inner.delete_many(keys)
+
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
+
+    def stats(self) -> TierStats:
+        return self.inner.stats()
+
+    def check_integrity(self) -> None:
+        self.inner.check_integrity()
+
+    def close(self) -> None:
+        self.gate.set()
+        self.inner.close()
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
+
+
+def run_to_end(engine: SimEngine, req_id: str, chunk: int, timeout_s: float = 10.0) -> None:
+    req = engine.requests[req_id]
+    deadline = time.monotonic() + timeout_s
+    while req.num_computed < len(req.tokens) or req.waiting_load:
+        assert time.monotonic() < deadline, f"{req_id} did not finish"
+        engine.step({} if req.waiting_load else {req_id: chunk})
+        if req.waiting_load:
+            time.sleep(0.002)
+
+
+def wait_loaded(engine: SimEngine, req_id: str, timeout_s: float = 10.0) -> SimRequest:
+    req = engine.requests[req_id]
+    deadline = time.monotonic() + timeout_s
+    while req.waiting_load:
+        assert time.monotonic() < deadline, f"load of {req_id} never finished"
+        engine.step({})
+        time.sleep(0.002)
+    return req
+
+
+def assert_kv_matches_cold(engine: SimEngine, req: SimRequest, num_tokens: int) -> int:
+    """Every non-null block of the request up to ``num_tokens`` equals a cold run's.
+
+    Returns the number of blocks compared (so callers can insist it is > 0).
+    """
+    compared = 0
+    for g, group in enumerate(engine.layout.groups):
+        ids = req.block_ids[g]
+        if group.kind is GroupKind.MAMBA:
+            for layer in group.layer_names:
+                got = engine.state_bytes(req, g, layer, num_tokens)
+                assert got == expected_state(req.tokens, num_tokens, layer), (g, layer)
+                compared += 1
+            continue
+        for index in range(num_tokens // group.block_size):
+            if ids[index] == 0:
+                continue
+            got = engine.block_bytes(g, ids[index])
+            assert got == engine.expected_block(req.tokens, g, index), (g, index)
+            compared += 1
+    return compared
+
+
+def store_prompt(layout: KVLayoutSpec, cache_dir: Path, tokens: Sequence[int], chunk: int) -> None:
+    first = make_engine(layout, make_config(cache_dir))
+    assert first.add("cold", tokens) == 0
+    run_to_end(first, "cold", chunk)
+    first.settle()
+    assert first.finish("cold") is False
+    close_engine(first)  # flushes the write-back: the disk tier holds every block

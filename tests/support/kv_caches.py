@@ -1,0 +1,67 @@
+"""KV caches for layout and transfer tests: vLLM's own allocator for a Qwen3-Next-like
+model (attention + two Mamba groups), and its layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+
+
+def group(kind: GroupKind, names: tuple[str, ...], page: int, block_size: int = 32) -> KVGroup:
+    extra = {"sliding_window": 64} if kind is GroupKind.SLIDING_WINDOW else {}
+    if kind is GroupKind.CHUNKED_LOCAL:
+        extra = {"attention_chunk_size": 4 * block_size}
+    return KVGroup(
+        kind=kind, block_size=block_size, page_size_bytes=page, layer_names=names, **extra
+    )
+
+
+VllmAllocate = Callable[[str], tuple[dict[str, torch.Tensor], int, int]]
+
+
+def real_vllm_allocator() -> VllmAllocate:
+    """vLLM's own KV cache config and allocator for a Qwen3-Next-like model (attention
+    + two Mamba groups): returns ``allocate(layout_name) -> (kv_caches, attention page
+    bytes, unpadded Mamba page bytes)``."""
+    pytest.importorskip("vllm")
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    config = VllmConfig()
+    attn = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    mamba = MambaSpec(
+        block_size=64,
+        shapes=((3, 100), (4, 16, 16)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=attn.page_size_bytes,
+    )
+    groups = [
+        KVCacheGroupSpec(["a.0", "a.3"], attn),
+        KVCacheGroupSpec(["m.1", "m.4"], mamba),
+        KVCacheGroupSpec(["m.2", "m.5"], mamba),
+    ]
+
+    def allocate(layout_name: str) -> tuple[dict[str, torch.Tensor], int, int]:
+        config.cache_config.kv_cache_layout = layout_name
+        kv_config = get_kv_cache_config_from_groups(config, groups, 1 << 21)
+        kv = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout[layout_name])
+        return kv, attn.page_size_bytes, mamba.real_page_size_bytes
+
+    return allocate
+
+
+def qwen_next_like(attn_page: int, mamba_page: int) -> KVLayoutSpec:
+    return KVLayoutSpec(
+        groups=(
+            group(GroupKind.FULL, ("a.0", "a.3"), attn_page, block_size=64),
+            group(GroupKind.MAMBA, ("m.1", "m.4"), mamba_page, block_size=64),
+            group(GroupKind.MAMBA, ("m.2", "m.5"), mamba_page, block_size=64),
+        )
+    )

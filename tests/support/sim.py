@@ -1,0 +1,402 @@
+"""A small engine for connector tests: vLLM-shaped KV tensors, vLLM's block rules.
+
+Test helper. ``SimEngine`` drives a real ``ConnectorScheduler`` and a real
+``ConnectorWorker`` (real tiers) the way vLLM 0.32 does, step by step:
+lookup -> allocate -> metadata -> forward -> loads -> save -> report. Its
+block manager follows vLLM's rules for the hybrid allocator: one block pool
+shared by every group (block 0 is the null block), sliding-window blocks
+freed once out of the window of the tokens computed before a step, align-mode
+Mamba keeping only the state block of the last step.
+
+KV tensors are shaped like vLLM's on CPU: attention layers
+``[num_blocks, kv_heads, block_size, 2 * head_dim]`` float32, Mamba layers
+int8 ``[num_blocks, 1, 1, state_bytes]`` inside a page padded to the
+attention page; layer ``i`` of every group shares one storage. The "model"
+writes, for each computed token, KV derived from the token prefix and the
+layer, and for Mamba a recurrent state derived from the previous state bytes
+and the new tokens: a wrong loaded state changes every later state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from hybridkv.connector.metadata import (
+    BlockRef,
+    ConnectorMetadata,
+    LoadOutcome,
+    LoadResult,
+    WorkerReport,
+)
+from hybridkv.connector.scheduler import ConnectorScheduler
+from hybridkv.connector.steps import ScheduledRequest, StepInput
+from hybridkv.connector.worker import ConnectorWorker
+from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+
+HEAD_DIM = 4
+NUM_KV_HEADS = 1
+MAMBA_STATE_BYTES = 96
+
+
+def attention_page_bytes(block_size: int) -> int:
+    return NUM_KV_HEADS * block_size * 2 * HEAD_DIM * 4
+
+
+def make_layout(
+    kinds: Sequence[GroupKind],
+    *,
+    block_size: int = 4,
+    window: int = 8,
+    layers_per_group: int = 2,
+    model_id: str = "sim",
+) -> KVLayoutSpec:
+    """Groups of the given kinds, equal block sizes, ``layers_per_group`` layers each."""
+    groups = []
+    for g, kind in enumerate(kinds):
+        page = MAMBA_STATE_BYTES if kind is GroupKind.MAMBA else attention_page_bytes(block_size)
+        groups.append(
+            KVGroup(
+                kind=kind,
+                block_size=block_size,
+                page_size_bytes=page,
+                layer_names=tuple(f"layers.{g}.{i}" for i in range(layers_per_group)),
+                sliding_window=window if kind is GroupKind.SLIDING_WINDOW else None,
+            )
+        )
+    return KVLayoutSpec(groups=tuple(groups), model_id=model_id)
+
+
+def make_kv_caches(layout: KVLayoutSpec, num_blocks: int) -> dict[str, torch.Tensor]:
+    """Per-layer tensors as vLLM's CPU backend registers them (storage shared per slot)."""
+    bs = layout.groups[0].block_size
+    page = attention_page_bytes(bs)
+    num_slots = max(g.num_layers for g in layout.groups)
+    buffers = [torch.zeros(num_blocks * page, dtype=torch.int8) for _ in range(num_slots)]
+    caches: dict[str, torch.Tensor] = {}
+    for group in layout.groups:
+        for slot, name in enumerate(group.layer_names):
+            buf = buffers[slot]
+            if group.kind is GroupKind.MAMBA:
+                caches[name] = buf.as_strided(
+                    (num_blocks, 1, 1, MAMBA_STATE_BYTES), (page, 0, 0, 1)
+                )
+            else:
+                caches[name] = buf.view(torch.float32).view(
+                    num_blocks, NUM_KV_HEADS, bs, 2 * HEAD_DIM
+                )
+    return caches
+
+
+def _digest(*parts: bytes) -> int:
+    return int(xxhash.xxh3_64_intdigest(b"|".join(parts)))
+
+
+def token_kv(tokens: Sequence[int], position: int, layer: str) -> torch.Tensor:
+    """KV of one token: a function of the prefix up to it and of the layer."""
+    seed = _digest(np.asarray(tokens[: position + 1], np.int64).tobytes(), layer.encode())
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(rng.standard_normal((NUM_KV_HEADS, 2 * HEAD_DIM)).astype(np.float32))
+
+
+def next_state(state: bytes, tokens: Sequence[int], layer: str) -> bytes:
+    """The recurrent state after ``tokens``, one token at a time (chunking-invariant)."""
+    for token in tokens:
+        seed = _digest(state, str(token).encode(), layer.encode())
+        state = (
+            np.random.default_rng(seed).integers(-128, 128, MAMBA_STATE_BYTES, np.int8).tobytes()
+        )
+    return state
+
+
+def expected_state(tokens: Sequence[int], num_tokens: int, layer: str) -> bytes:
+    """A cold run's state after the first ``num_tokens`` tokens."""
+    return next_state(bytes(MAMBA_STATE_BYTES), tokens[:num_tokens], layer)
+
+
+@dataclass
+class SimRequest:
+    req_id: str
+    tokens: list[int]
+    block_ids: list[list[int]]
+    num_computed: int = 0
+    waiting_load: bool = False
+    finished: bool = False
+    new: bool = True
+    """The next scheduling sends the whole block table (new or resumed)."""
+    outcomes: list[LoadResult] = field(default_factory=list)
+    """How each of its loads ended, as the worker reported it."""
+
+
+class SimEngine:
+    """Drives a scheduler/worker pair like vLLM (see module doc)."""
+
+    def __init__(
+        self,
+        layout: KVLayoutSpec,
+        scheduler: ConnectorScheduler,
+        worker: ConnectorWorker,
+        *,
+        num_blocks: int = 256,
+        reuse_freed_first: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.scheduler = scheduler
+        self.worker = worker
+        self.num_blocks = num_blocks
+        self.kv = make_kv_caches(layout, num_blocks)
+        worker.register_kv_caches(self.kv)
+        self.free_ids = list(range(1, num_blocks))
+        self.reuse_freed_first = reuse_freed_first
+        """Hand out the most recently freed block first (the hazard for late stores)."""
+        self.last_meta: ConnectorMetadata | None = None
+        self.metas: list[ConnectorMetadata] = []
+        self.handed_out: list[tuple[str, int, int]] = []
+        """(req_id, group_id, block_id) for every block handed out, in order."""
+        self.requests: dict[str, SimRequest] = {}
+        self.reports: list[WorkerReport] = []
+        self.preempted: set[str] = set()
+
+    # --- blocks ---------------------------------------------------------------
+
+    def _take(self) -> int:
+        return self.free_ids.pop() if self.reuse_freed_first else self.free_ids.pop(0)
+
+    def _free(self, block_id: int) -> None:
+        if block_id:
+            self.free_ids.append(block_id)
+
+    def _retire(self, req: SimRequest) -> None:
+        """vLLM's remove_skipped_blocks, before a step, from ``num_computed``."""
+        for g, group in enumerate(self.layout.groups):
+            ids = req.block_ids[g]
+            if group.kind is GroupKind.SLIDING_WINDOW:
+                assert group.sliding_window is not None
+                skipped = max(0, req.num_computed - group.sliding_window + 1) // group.block_size
+            elif group.kind is GroupKind.MAMBA:
+                skipped = max(0, -(-req.num_computed // group.block_size) - 1)
+            else:
+                continue
+            for i in range(min(skipped, len(ids))):
+                self._free(ids[i])
+                ids[i] = 0
+
+    def _allocate(self, req: SimRequest, end: int, *, hit_tokens: int | None = None) -> None:
+        """Blocks up to token ``end``; for a hit, only the blocks each kind keeps."""
+        for g, group in enumerate(self.layout.groups):
+            ids = req.block_ids[g]
+            need = -(-end // group.block_size)
+            while len(ids) < need:
+                i = len(ids)
+                keep = True
+                if hit_tokens is not None and group.kind is GroupKind.SLIDING_WINDOW:
+                    assert group.sliding_window is not None
+                    first = max(0, hit_tokens - group.sliding_window + 1) // group.block_size
+                    keep = i >= first
+                elif group.kind is GroupKind.MAMBA:
+                    keep = i == need - 1  # align mode: only the state block of the step end
+                block_id = self._take() if keep else 0
+                if block_id:
+                    self.handed_out.append((req.req_id, g, block_id))
+                ids.append(block_id)
+
+    def free_request(self, req_id: str) -> None:
+        req = self.requests.pop(req_id)
+        for ids in req.block_ids:
+            for b in ids:
+                self._free(b)
+
+    # --- requests ----------------------------------------------------------------
+
+    def add(self, req_id: str, tokens: Sequence[int], *, cache_salt: str | None = None) -> int:
+        """Admit a request: lookup, allocate; returns the tokens it will load."""
+        req = SimRequest(req_id, list(tokens), [[] for _ in self.layout.groups])
+        self.requests[req_id] = req
+        self.scheduler.add_request(req_id, cache_salt=cache_salt)
+        return self._admit(req)
+
+    def _admit(self, req: SimRequest) -> int:
+        result = self.scheduler.lookup(req.req_id, req.tokens, req.num_computed)
+        if result.num_tokens:
+            end = req.num_computed + result.num_tokens
+            self._allocate(req, end, hit_tokens=end)
+            self.scheduler.allocated(req.req_id, req.block_ids, result.num_tokens)
+            req.waiting_load = True
+            req.num_computed = end
+        else:
+            self.scheduler.allocated(req.req_id, req.block_ids, 0)
+        return result.num_tokens
+
+    def preempt(self, req_id: str) -> None:
+        """Free every block; the request starts over (and may hit the store)."""
+        req = self.requests[req_id]
+        for ids in req.block_ids:
+            for b in ids:
+                self._free(b)
+        req.block_ids = [[] for _ in self.layout.groups]
+        req.num_computed = 0
+        req.new = True
+        self.preempted.add(req_id)
+
+    def readmit(self, req_id: str) -> int:
+        return self._admit(self.requests[req_id])
+
+    def finish(self, req_id: str) -> bool:
+        """The engine finishes a request; True if its blocks must wait for the worker."""
+        hold = self.scheduler.request_finished(req_id)
+        if hold:
+            self.requests[req_id].finished = True
+        else:
+            self.free_request(req_id)
+        return hold
+
+    # --- one engine step -----------------------------------------------------------
+
+    def step(self, budget: dict[str, int] | None = None) -> WorkerReport:
+        """Schedule ``budget[req_id]`` tokens per request and run the step.
+
+        ``budget=None`` schedules every request's remaining tokens; ``{}`` none
+        (a step that only moves loads and stores along).
+        """
+        scheduled: list[ScheduledRequest] = []
+        for req in self.requests.values():
+            if req.waiting_load or (budget is not None and req.req_id not in budget):
+                continue
+            todo = len(req.tokens) - req.num_computed
+            n = todo if budget is None else min(budget[req.req_id], todo)
+            if n <= 0:
+                continue
+            self._retire(req)
+            before = [len(ids) for ids in req.block_ids]
+            self._allocate(req, req.num_computed + n)
+            new_ids = (
+                [list(ids) for ids in req.block_ids]
+                if req.new
+                else [ids[k:] for ids, k in zip(req.block_ids, before, strict=True)]
+            )
+            scheduled.append(
+                ScheduledRequest(
+                    req_id=req.req_id,
+                    num_computed_tokens=req.num_computed,
+                    num_scheduled_tokens=n,
+                    token_ids=req.tokens,
+                    new_block_ids=new_ids,
+                    replaces_block_ids=req.new,
+                )
+            )
+            req.new = False
+        meta = self.scheduler.build_metadata(
+            StepInput(scheduled=scheduled, preempted_req_ids=frozenset(self.preempted))
+        )
+        self.preempted.clear()
+        self.last_meta = meta
+        self.metas.append(meta)
+        self.worker.cancel(meta.cancelled_req_ids)
+        for s in scheduled:  # the forward pass
+            self._compute(self.requests[s.req_id], s.num_scheduled_tokens)
+        self.worker.start_loads(meta.loads)
+        self.worker.save(meta.stores)
+        report = self.worker.poll()
+        self._take_report(report)
+        return report
+
+    def _take_report(self, report: WorkerReport) -> None:
+        self.reports.append(report)
+        self.scheduler.process_report(report)
+        for rank in report.ranks:
+            for result in rank.finished_loads:
+                req = self.requests.get(result.req_id)
+                if req is None:
+                    continue
+                req.outcomes.append(result)
+                req.waiting_load = False
+                req.new = True
+                if req.finished:
+                    self.free_request(req.req_id)
+                elif not result.ok:
+                    self._recover(req, result)
+
+    def reported(self, what: str) -> list[BlockRef]:
+        """Blocks the worker reported ``stored``, ``missing`` or ``dropped`` so far."""
+        return [ref for rep in self.reports for rank in rep.ranks for ref in getattr(rank, what)]
+
+    def finished_loads(self) -> list[LoadResult]:
+        return [r for rep in self.reports for rank in rep.ranks for r in rank.finished_loads]
+
+    def _recover(self, req: SimRequest, result: LoadResult) -> None:
+        """vLLM 0.32 after a failed load: one full-attention group keeps the prefix before
+        its first failed block (invalid block ids); otherwise the request starts over
+        (failed_recving), asking the connector again."""
+        groups = self.layout.groups
+        failed = set(result.failed_block_ids[0]) if result.failed_block_ids else set()
+        if (
+            len(groups) == 1
+            and groups[0].kind is GroupKind.FULL
+            and (result.outcome is LoadOutcome.FAILED and failed)
+        ):
+            ids = req.block_ids[0]
+            first = min(i for i, b in enumerate(ids) if b in failed)
+            req.num_computed = min(req.num_computed, first * groups[0].block_size)
+            return
+        for ids in req.block_ids:
+            for b in ids:
+                self._free(b)
+        req.block_ids = [[] for _ in self.layout.groups]
+        req.num_computed = 0
+        self._admit(req)
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Let the worker finish every job and deliver the results."""
+        self.worker.wait_idle(timeout_s)
+        self._take_report(self.worker.poll())
+
+    def _compute(self, req: SimRequest, n: int) -> None:
+        start, end = req.num_computed, req.num_computed + n
+        for g, group in enumerate(self.layout.groups):
+            ids = req.block_ids[g]
+            bs = group.block_size
+            for layer in group.layer_names:
+                t = self.kv[layer]
+                if group.kind is GroupKind.MAMBA:
+                    prev = self.state_bytes(req, g, layer, start) if start else None
+                    state = next_state(
+                        prev or bytes(MAMBA_STATE_BYTES), req.tokens[start:end], layer
+                    )
+                    row = torch.frombuffer(bytearray(state), dtype=torch.int8)
+                    t[ids[-(-end // bs) - 1], 0, 0] = row
+                    continue
+                for p in range(start, end):
+                    t[ids[p // bs], :, p % bs, :] = token_kv(req.tokens, p, layer)
+        req.num_computed = end
+
+    # --- reading KV back ---------------------------------------------------------------
+
+    def state_bytes(self, req: SimRequest, group_id: int, layer: str, num_tokens: int) -> bytes:
+        bs = self.layout.groups[group_id].block_size
+        block = req.block_ids[group_id][-(-num_tokens // bs) - 1]
+        assert block != 0, f"no state block for {num_tokens} tokens"
+        return bytes(self.kv[layer][block, 0, 0].numpy().tobytes())
+
+    def block_bytes(self, group_id: int, block_id: int) -> bytes:
+        group = self.layout.groups[group_id]
+        out = b""
+        for layer in group.layer_names:
+            t = self.kv[layer]
+            out += t[block_id].contiguous().view(torch.int8).numpy().tobytes()
+        return out
+
+    def expected_block(self, tokens: Sequence[int], group_id: int, index: int) -> bytes:
+        """What a cold run writes into block ``index`` of an attention group."""
+        group = self.layout.groups[group_id]
+        bs = group.block_size
+        out = b""
+        for layer in group.layer_names:
+            rows = torch.zeros(NUM_KV_HEADS, bs, 2 * HEAD_DIM, dtype=torch.float32)
+            for p in range(index * bs, (index + 1) * bs):
+                rows[:, p % bs, :] = token_kv(tokens, p, layer)
+            out += rows.view(torch.int8).numpy().tobytes()
+        return out
