@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.spec import KVGroup
 from hybridkv.tools.models import (
+    GroupShape,
     TinyModel,
     TinyModelKind,
     build_tiny_model,
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         clear_stored_kv(config.cache_dir)
     model = build_tiny_model(config.model, config.cache_dir / MODELS_SUBDIR)
     groups = ", ".join(
-        f"{i}: {g.kind.value} x{g.num_layers}" for i, g in enumerate(model.kv_groups)
+        f"{i}: {g.kind.value} x{len(g.layer_names)}" for i, g in enumerate(model.groups)
     )
     stage(f"model at {model.path}; KV cache groups {groups}")
     reports: list[RunReport] = []
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         reports += session
     exact = model.dtype == "float32"
-    print(format_table(report_rows(reports, model.kv_groups, exact=exact)), flush=True)
+    print(format_table(report_rows(reports, model.groups, exact=exact)), flush=True)
     if all(r.group_blocks is None for r in reports):
         print("* per group: from each request's hit and its group's kind", flush=True)
     problems = verdict(reports, exact=exact)
@@ -267,9 +267,9 @@ def _run_once(llm: Any, name: str, spec: dict[str, Any]) -> RunReport:
         num_prompt_tokens=sum(len(ids) for ids in spec["prompts"]),
         num_cached_tokens=sum(int(o.num_cached_tokens or 0) for o in outputs),
         num_external_tokens=int(delta.get("vllm:external_prefix_cache_hits", 0.0)),
-        loaded_blocks=int(delta.get("hybridkv_load_load_blocks", 0.0)),
-        load_bytes=int(delta.get("hybridkv_load_bytes", 0.0)),
-        store_bytes=int(delta.get("hybridkv_store_bytes", 0.0)),
+        loaded_blocks=int(_summed(delta, "hybridkv_loaded_blocks")),
+        load_bytes=int(_summed(delta, "hybridkv_loaded_bytes")),
+        store_bytes=int(_summed(delta, "hybridkv_stored_bytes")),
         ttft_s=ttft_sum / ttft_count if ttft_count else 0.0,
         output_token_ids=[list(o.outputs[0].token_ids) for o in outputs],
         top_logprobs=[
@@ -280,11 +280,11 @@ def _run_once(llm: Any, name: str, spec: dict[str, Any]) -> RunReport:
             for o in outputs
         ],
         cached_tokens_per_request=[int(o.num_cached_tokens or 0) for o in outputs],
-        group_blocks=_group_values(delta, "hybridkv_load_group_blocks"),
+        group_blocks=_group_values(delta, "hybridkv_loaded_blocks"),
         tier_get_bytes={
             k.split("tier=")[1].rstrip("}"): int(v)
             for k, v in delta.items()
-            if k.startswith("hybridkv_tier_get_bytes{") and v
+            if k.startswith("hybridkv_tier_read_bytes{") and v
         },
     )
 
@@ -317,6 +317,10 @@ def read_counters(llm: Any) -> dict[str, float]:
     return values
 
 
+def _summed(delta: dict[str, float], name: str) -> float:
+    return sum(v for k, v in delta.items() if k == name or k.startswith(name + "{"))
+
+
 def _group_values(delta: dict[str, float], name: str) -> list[int] | None:
     found = {
         int(k.split("group=")[1].split(",")[0].rstrip("}")): int(v)
@@ -326,39 +330,9 @@ def _group_values(delta: dict[str, float], name: str) -> list[int] | None:
     return [found.get(g, 0) for g in range(max(found) + 1)] if found else None
 
 
-def _blocks_cell(report: RunReport, groups: Sequence[KVGroup]) -> str:
-    if report.group_blocks is not None:
-        return "/".join(str(n) for n in report.group_blocks) + f" = {sum(report.group_blocks)}"
-    if report.num_external_tokens == 0:
-        hits = [0] * len(report.cached_tokens_per_request)
-    elif report.num_external_tokens == sum(report.cached_tokens_per_request):
-        hits = report.cached_tokens_per_request  # every cached token came from the tiers
-    else:
-        return f"{report.loaded_blocks} (all groups)"
-    planned = planned_group_blocks(groups, hits)
-    cell = "/".join(str(n) for n in planned) + f" = {sum(planned)}*"
-    if sum(planned) != report.loaded_blocks:
-        cell += f" (connector: {report.loaded_blocks})"
-    return cell
-
-
-def planned_group_blocks(groups: Sequence[KVGroup], hit_tokens: Sequence[int]) -> list[int]:
-    """Blocks each group needs to resume the requests at their hits (summed).
-
-    For connectors that report only a total: the split follows from each
-    group's kind (all blocks of a full-attention group, the window of a
-    sliding one, one state of a Mamba one), the rule hybridkv.hits applies.
-    """
-    from hybridkv.hits import find_longest_hit
-
-    totals = [0] * len(groups)
-    for num_tokens in hit_tokens:
-        if num_tokens <= 0:
-            continue
-        hit = find_longest_hit(groups, num_tokens, lambda g, ids: [True] * len(ids))
-        for group_id, block_ids in enumerate(hit.blocks_to_load):
-            totals[group_id] += len(block_ids)
-    return totals
+def _blocks_cell(report: RunReport) -> str:
+    blocks = report.group_blocks or []
+    return "/".join(str(n) for n in blocks) + f" = {sum(blocks)}" if blocks else "0"
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -386,7 +360,7 @@ def mismatched_requests(report: RunReport, reference: RunReport, *, exact: bool)
 
 
 def report_rows(
-    reports: Sequence[RunReport], groups: Sequence[KVGroup], *, exact: bool = True
+    reports: Sequence[RunReport], groups: Sequence[GroupShape], *, exact: bool = True
 ) -> list[list[str]]:
     """Table rows: a header, then one row per run."""
     group_names = "/".join(f"g{i} {g.kind.value}" for i, g in enumerate(groups))
@@ -402,7 +376,7 @@ def report_rows(
     ]
     rows = [header]
     for report in reports:
-        blocks = _blocks_cell(report, groups)
+        blocks = _blocks_cell(report)
         if report is reports[0]:
             match = "reference"
         else:

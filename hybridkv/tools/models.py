@@ -7,23 +7,27 @@ downloaded: each model is a random-weight checkpoint written with
 and seed.
 
 KV cache groups vLLM 0.32 makes for each kind (CPU, hybrid allocator on,
-``TinyModel.engine_kwargs()``, block size 32), measured from the engine's
-``kv_cache_config`` and checked by ``tests/e2e/test_vllm_models.py``:
+``TinyModel.engine_kwargs()``, block size 32 asked for), checked against the
+engine's ``kv_cache_config`` by ``tests/e2e/test_vllm_models.py``. Kinds,
+layers and windows are the same everywhere; block and page sizes are the
+engine's choice and differ between CPUs (read them from the engine):
 
 * ``gemma3``: 4 layers, sliding (window 32) / full alternating, float32.
-  Group 0 SlidingWindowSpec layers 0, 2; group 1 FullAttentionSpec layers
-  1, 3. Page 8 KiB per layer.
+  Group 0 sliding window, layers 0, 2; group 1 full attention, layers 1, 3.
+  Block 32, page 2 x 32 x 1 x 32 x 4 = 8 KiB per layer.
 * ``gemma3-multi``: 6 layers S S F S S F. vLLM cuts the four sliding layers
-  into groups as large as the full group: group 0 SlidingWindowSpec layers
-  0, 3; group 1 SlidingWindowSpec layers 1, 4 (same spec as group 0);
-  group 2 FullAttentionSpec layers 2, 5. Page 8 KiB.
+  into groups as large as the full group: group 0 sliding layers 0, 3;
+  group 1 sliding layers 1, 4 (same spec as group 0); group 2 full, layers
+  2, 5.
 * ``qwen3-next``: 2 layers, gated delta net then full attention, bfloat16.
-  Group 0 MambaSpec layer 0 (conv state (3, 384) + recurrent state
-  (1, 128, 128), 35072 bytes padded to the attention page); group 1
-  FullAttentionSpec layer 1 (2 KV heads x 256). Page 64 KiB. Without an
-  explicit block size vLLM picks 128 here.
-* ``qwen3-next-multi``: 4 layers L L L F. Groups 0-2 MambaSpec, one linear
-  layer each, equal specs; group 3 FullAttentionSpec layer 3. Page 64 KiB.
+  Group 0 Mamba, layer 0 (conv state (3, 384) + recurrent state
+  (1, 128, 128) = 35072 bytes, padded to the attention page); group 1 full
+  attention, layer 1 (2 KV heads x 256). vLLM grows the attention block
+  until its page holds the Mamba state, and by how much depends on the CPU
+  kernels: 32 (page 64 KiB) on one x86-64 machine, 64 (128 KiB) on an AMD
+  Zen 4 with avx512_bf16.
+* ``qwen3-next-multi``: 4 layers L L L F. Groups 0-2 Mamba, one linear
+  layer each, equal specs; group 3 full attention, layer 3.
 """
 
 from __future__ import annotations
@@ -39,10 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.spec import GroupKind
 
 __all__ = [
     "LOGPROB_TOLERANCE",
+    "GroupShape",
     "TinyModel",
     "TinyModelKind",
     "build_tiny_model",
@@ -98,6 +103,15 @@ class TinyModelKind(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GroupShape:
+    """The parts of a KV cache group that do not depend on the machine."""
+
+    kind: GroupKind
+    layer_names: tuple[str, ...]
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class TinyModel:
     """A built tiny model and the engine settings it is meant to run with."""
 
@@ -106,18 +120,15 @@ class TinyModel:
     seed: int
     dtype: str
     block_size: int
+    """The block size asked of the engine (it may choose larger, see the module doc)."""
     max_model_len: int
     vocab_size: int
-    kv_groups: tuple[KVGroup, ...]
+    groups: tuple[GroupShape, ...]
     """The KV cache groups vLLM makes for this model, in vLLM's order."""
 
     @property
     def model_id(self) -> str:
         return f"tiny-{self.kind.value}-seed{self.seed}"
-
-    @property
-    def kv_layout(self) -> KVLayoutSpec:
-        return KVLayoutSpec(groups=self.kv_groups, model_id=self.model_id)
 
     def engine_kwargs(self, *, kv_cache_memory_bytes: int = 64 << 20) -> dict[str, Any]:
         """Keyword arguments for ``vllm.LLM`` that keep an engine small and fast.
@@ -219,7 +230,7 @@ _COMMON_CONFIG: dict[str, Any] = {
 class _Recipe:
     dtype: str
     max_model_len: int
-    groups: tuple[KVGroup, ...]
+    groups: tuple[GroupShape, ...]
     hf_config: dict[str, Any]
 
 
@@ -232,16 +243,13 @@ def _linear_layer(i: int) -> str:
 
 
 def _gemma3_recipe(layer_types: list[str], group_layers: list[list[int]]) -> _Recipe:
-    num_kv_heads, head_dim, window, dtype_bytes = 1, 32, 32, 4
-    page_size_bytes = 2 * _BLOCK_SIZE * num_kv_heads * head_dim * dtype_bytes
+    num_kv_heads, head_dim, window = 1, 32, 32
     groups = []
     for layer_ids in group_layers:
         sliding = layer_types[layer_ids[0]] == "sliding_attention"
         groups.append(
-            KVGroup(
+            GroupShape(
                 kind=GroupKind.SLIDING_WINDOW if sliding else GroupKind.FULL,
-                block_size=_BLOCK_SIZE,
-                page_size_bytes=page_size_bytes,
                 layer_names=tuple(_attention_layer(i) for i in layer_ids),
                 sliding_window=window if sliding else None,
             )
@@ -261,27 +269,12 @@ def _gemma3_recipe(layer_types: list[str], group_layers: list[list[int]]) -> _Re
 
 
 def _qwen3_next_recipe(layer_types: list[str]) -> _Recipe:
-    num_kv_heads, head_dim, dtype_bytes = 2, 256, 2
-    # vLLM pads the recurrent state (35072 bytes) to the attention page.
-    page_size_bytes = 2 * _BLOCK_SIZE * num_kv_heads * head_dim * dtype_bytes
+    num_kv_heads, head_dim = 2, 256
     linear_ids = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
     full_ids = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-    groups = [
-        KVGroup(
-            kind=GroupKind.MAMBA,
-            block_size=_BLOCK_SIZE,
-            page_size_bytes=page_size_bytes,
-            layer_names=(_linear_layer(i),),
-        )
-        for i in linear_ids
-    ]
+    groups = [GroupShape(kind=GroupKind.MAMBA, layer_names=(_linear_layer(i),)) for i in linear_ids]
     groups.append(
-        KVGroup(
-            kind=GroupKind.FULL,
-            block_size=_BLOCK_SIZE,
-            page_size_bytes=page_size_bytes,
-            layer_names=tuple(_attention_layer(i) for i in full_ids),
-        )
+        GroupShape(kind=GroupKind.FULL, layer_names=tuple(_attention_layer(i) for i in full_ids))
     )
     hf_config = {
         **_COMMON_CONFIG,
@@ -357,7 +350,7 @@ def build_tiny_model(kind: TinyModelKind, out_dir: Path, *, seed: int = 0) -> Ti
         block_size=_BLOCK_SIZE,
         max_model_len=recipe.max_model_len,
         vocab_size=_VOCAB_SIZE,
-        kv_groups=recipe.groups,
+        groups=recipe.groups,
     )
     if _marker_digest(path) == digest:
         return model

@@ -6,29 +6,19 @@ The whole demo (engines in child processes) runs in ``tests/e2e/test_demo_e2e.py
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from hybridkv.cli import demo
 from hybridkv.cli.demo import RunReport
-from hybridkv.spec import GroupKind, KVGroup, make_layer_names
-from hybridkv.tools.models import TinyModelKind
+from hybridkv.spec import GroupKind, make_layer_names
+from hybridkv.tools.models import GroupShape, TinyModelKind
 
-SLIDING = KVGroup(
-    kind=GroupKind.SLIDING_WINDOW,
-    block_size=32,
-    page_size_bytes=8192,
-    layer_names=make_layer_names("s", [0, 2]),
-    sliding_window=32,
+SLIDING = GroupShape(
+    kind=GroupKind.SLIDING_WINDOW, layer_names=make_layer_names("s", [0, 2]), sliding_window=32
 )
-FULL = KVGroup(
-    kind=GroupKind.FULL, block_size=32, page_size_bytes=8192, layer_names=make_layer_names("f", [1])
-)
-MAMBA = KVGroup(kind=GroupKind.MAMBA, block_size=32, page_size_bytes=65536, layer_names=("m.0",))
+FULL = GroupShape(kind=GroupKind.FULL, layer_names=make_layer_names("f", [1]))
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -81,24 +71,6 @@ def test_prompts_share_the_prefix_and_differ_after_it() -> None:
     assert len({tuple(p[n:]) for p in prompts}) == 4
 
 
-def brute_force_blocks(group: KVGroup, hit_tokens: int) -> int:
-    num_blocks = hit_tokens // group.block_size
-    if group.kind is GroupKind.FULL:
-        return num_blocks
-    if group.kind is GroupKind.SLIDING_WINDOW:
-        assert group.sliding_window is not None
-        return min(num_blocks, math.ceil((group.sliding_window - 1) / group.block_size))
-    return 1 if num_blocks else 0
-
-
-@settings(max_examples=60, deadline=None)
-@given(hits=st.lists(st.integers(0, 16).map(lambda n: 32 * n), max_size=6))
-def test_planned_group_blocks_match_the_per_kind_rule(hits: list[int]) -> None:
-    groups = [SLIDING, FULL, MAMBA]
-    planned = demo.planned_group_blocks(groups, hits)
-    assert planned == [sum(brute_force_blocks(g, h) for h in hits) for g in groups]
-
-
 def test_format_bytes_units() -> None:
     assert demo.format_bytes(0) == "0 B"
     assert demo.format_bytes(1023) == "1023 B"
@@ -118,7 +90,7 @@ def test_table_columns_line_up() -> None:
     assert demo.format_table([]) == ""
 
 
-def test_rows_show_measured_or_planned_group_blocks_and_matches() -> None:
+def test_rows_show_per_group_blocks_and_matches() -> None:
     cold = report("cold", [[1, 2], [3, 4]], store_bytes=480 * 1024)
     warm = report(
         "warm",
@@ -127,6 +99,7 @@ def test_rows_show_measured_or_planned_group_blocks_and_matches() -> None:
         cached_tokens_per_request=[192, 192],
         loaded_blocks=14,
         load_bytes=14 * 16384,
+        group_blocks=[2, 12],
     )
     restart = report(
         "restart",
@@ -138,26 +111,11 @@ def test_rows_show_measured_or_planned_group_blocks_and_matches() -> None:
     )
     rows = demo.report_rows([cold, warm, restart], [SLIDING, FULL])
     assert rows[0][3] == "blocks loaded (g0 sliding_window/g1 full)"
-    assert rows[1] == ["cold", "800", "0", "0/0 = 0*", "0 B", "480.0 KiB", "250", "reference"]
-    assert rows[2][2:5] == ["384", "2/12 = 14*", "224.0 KiB"]
+    assert rows[1] == ["cold", "800", "0", "0", "0 B", "480.0 KiB", "250", "reference"]
+    assert rows[2][2:5] == ["384", "2/12 = 14", "224.0 KiB"]
     assert rows[2][7] == "match"
     assert rows[3][3] == "2/12 = 14"
     assert rows[3][7] == "DIFFER"
-
-
-def test_planned_split_flags_a_connector_that_loaded_another_count() -> None:
-    warm = report(
-        "warm", [[1]], num_external_tokens=192, cached_tokens_per_request=[192], loaded_blocks=9
-    )
-    cell = demo.report_rows([report("cold", [[1]]), warm], [SLIDING, FULL])[2][3]
-    assert cell == "1/6 = 7* (connector: 9)"
-    # Local hits mixed in: no per-request split can be derived.
-    mixed = report(
-        "warm", [[1]], num_external_tokens=64, cached_tokens_per_request=[192], loaded_blocks=3
-    )
-    assert demo.report_rows([report("cold", [[1]]), mixed], [SLIDING, FULL])[2][3] == (
-        "3 (all groups)"
-    )
 
 
 def test_bfloat16_runs_match_within_noise_but_not_beyond() -> None:

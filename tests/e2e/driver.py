@@ -85,7 +85,7 @@ def _top_logprobs(positions: Any) -> list[dict[str, float]]:
 def run_step(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
     op = step["op"]
     if op == "groups":
-        return {"groups": engine_tools.kv_cache_groups(llm)}
+        return engine_tools.kv_cache_facts(llm)
     if op == "generate":
         return generate(llm, step)
     if op == "reset":

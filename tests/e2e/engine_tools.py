@@ -46,6 +46,17 @@ def _group_kind(spec: Any) -> str:
     return name
 
 
+def kv_cache_facts(llm: Any) -> dict[str, Any]:
+    """The engine's KV cache groups (one JSON-able dict each, in its order) and the
+    granularity of its prefix-cache hits: what block-size-dependent expectations use."""
+    config = kv_cache_config(llm)
+    return {
+        "groups": kv_cache_groups(llm),
+        "alignment_tokens": int(config.cache_hit_alignment_tokens),
+        "hash_block_size": int(config.hash_block_size),
+    }
+
+
 def kv_cache_groups(llm: Any) -> list[dict[str, Any]]:
     """One JSON-able dict per KV cache group, in vLLM's group order."""
     groups = []
@@ -155,8 +166,8 @@ def connector_stats(llm: Any) -> dict[str, float]:
         if not family.name.startswith("hybridkv"):
             continue
         for sample in family.samples:
-            if not sample.name.endswith("_total"):
-                continue  # skip _created samples
+            if not sample.name.endswith(("_total", "_count")):
+                continue  # skip _created samples and histogram buckets
             labels = {
                 k: v for k, v in sorted(sample.labels.items()) if k not in ("engine", "model_name")
             }

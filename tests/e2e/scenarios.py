@@ -55,11 +55,6 @@ def concurrent_prompts(vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def full_hit_tokens(num_prompt_tokens: int, block_size: int) -> int:
-    """The longest hit a prompt can have: whole blocks, one token left to compute."""
-    return (num_prompt_tokens - 1) // block_size * block_size
-
-
 def generate(label: str, prompts: list[list[int]]) -> dict[str, Any]:
     return {"op": "generate", "label": label, "prompts": prompts, "max_tokens": MAX_TOKENS}
 
@@ -69,6 +64,8 @@ RESET = {"op": "reset"}
 
 INTEGRITY = {"op": "integrity", "label": "integrity"}
 
+GROUPS = {"op": "groups"}
+
 
 def engine(
     label: str,
@@ -76,7 +73,9 @@ def engine(
     steps: list[dict[str, Any]],
     connector: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """An engine plan; with a connector, its integrity is checked after the steps."""
+    """An engine plan: first its KV cache facts (``groups``), then the steps; with a
+    connector, its integrity is checked after them."""
+    steps = [GROUPS, *steps]
     if connector is not None:
         steps = [*steps, INTEGRITY]
     return {
@@ -98,13 +97,12 @@ def baseline_engine(model: TinyModel) -> dict[str, Any]:
     """
     prompts = base_prompts(model.vocab_size)
     steps = [
-        {"op": "groups"},
         generate("cold", prompts),
         generate("local_hit", prompts),
         RESET,
         generate("concurrent", concurrent_prompts(model.vocab_size)),
     ]
-    for group_id in range(len(model.kv_groups)):
+    for group_id in range(len(model.groups)):
         steps += [
             RESET,
             generate(f"refill_{group_id}", prompts),
@@ -122,7 +120,6 @@ def first_engine(model: TinyModel, cache_dir: Path) -> dict[str, Any]:
     """Cold run stores, warm run (after wiping vLLM's cache) loads, then 16 at once."""
     prompts = base_prompts(model.vocab_size)
     steps = [
-        {"op": "groups"},
         generate("cold", prompts),
         RESET,
         generate("warm", prompts),

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT, Harness
+from tests.e2e.harness import REPO_ROOT, Harness
 
 pytestmark = pytest.mark.slow
 

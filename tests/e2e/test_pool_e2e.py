@@ -28,16 +28,16 @@ os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
 
 from hybridkv.tools.models import TinyModelKind
 from hybridkv.tools.pool import LocalPool
-from tests.e2e.conftest import Harness, PlanRun
-from tests.e2e.scenarios import (
-    RESET,
-    base_prompts,
-    concurrent_prompts,
-    engine,
+from tests.e2e.expect import (
+    EXTERNAL_HITS,
+    assert_same_outputs,
+    counter,
+    describe,
     full_hit_tokens,
-    generate,
+    summed,
 )
-from tests.e2e.test_connector_e2e import assert_same_outputs, counter, tier_counter
+from tests.e2e.harness import Harness, PlanRun
+from tests.e2e.scenarios import RESET, base_prompts, concurrent_prompts, engine, generate
 from tests.support.servers import MIB, MooncakePool, wait_for
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,6 @@ pytestmark = pytest.mark.slow
 SHARE_KINDS = (TinyModelKind.GEMMA3, TinyModelKind.QWEN3_NEXT)
 """Sliding window + full attention; Mamba-style state + full attention."""
 FAULT_KIND = TinyModelKind.GEMMA3
-EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 CPU_TIER = {"kind": "cpu", "capacity_bytes": 64 * MIB}
 FORGET_TIMEOUT_S = 30.0
 """How long the master may take to drop a dead daemon's memory (its TTL is 2 s)."""
@@ -66,13 +65,6 @@ def shared_pool() -> Iterator[LocalPool]:
 def fault_pool() -> Iterator[LocalPool]:
     with MooncakePool(segment_bytes=128 * MIB, client_ttl_s=2) as running:
         yield running
-
-
-def _describe(step: dict[str, Any]) -> str:
-    return (
-        f"num_cached_tokens={step['num_cached_tokens']} metrics={step['metrics']} "
-        f"connector={step['connector']}"
-    )
 
 
 def _ok(run: PlanRun) -> PlanRun:
@@ -174,18 +166,21 @@ def _recover(harness: Harness, pool: LocalPool) -> PlanRun:
     return _ok(harness.run(f"pool-recover-{port}", plan))
 
 
-def _assert_full_pool_hit(step: dict[str, Any], block_size: int, what: str) -> None:
-    """Every prompt resumed from the pool at its last full block."""
-    where = f"{what}: {_describe(step)}"
-    expected = [full_hit_tokens(n, block_size) for n in step["num_prompt_tokens"]]
+def _assert_full_pool_hit(run: PlanRun, engine_label: str, step_label: str) -> None:
+    """Every prompt resumed from the pool at its last aligned block."""
+    step = run.step(engine_label, step_label)
+    facts = run.op("groups", engine=engine_label)
+    where = f"{engine_label}/{step_label}: {describe(step)}"
+    expected = [full_hit_tokens(n, facts) for n in step["num_prompt_tokens"]]
     assert step["num_cached_tokens"] == expected, where
     assert step["metrics"].get(EXTERNAL_HITS, 0.0) == sum(expected) > 0, where
     stats = step["connector"]
-    assert counter(stats, "lookup.hit_tokens") == sum(expected), where
-    assert counter(stats, "load.loads_ok") == len(expected), where
-    assert counter(stats, "load.loads_failed") == 0, where
-    assert tier_counter(stats, "mooncake", "gets") == counter(stats, "load.load_blocks") > 0, where
-    assert tier_counter(stats, "mooncake", "get_bytes") == counter(stats, "load.bytes"), where
+    assert counter(stats, "hit_tokens") == sum(expected), where
+    assert counter(stats, "loads", outcome="ok") == len(expected), where
+    assert counter(stats, "loads", outcome="failed") == 0, where
+    loaded = summed(stats, "loaded_blocks")
+    assert counter(stats, "tier_reads", tier="mooncake") == loaded > 0, where
+    assert counter(stats, "tier_read_bytes", tier="mooncake") == summed(stats, "loaded_bytes")
 
 
 # -- sharing ----------------------------------------------------------------------------
@@ -197,18 +192,19 @@ def test_cold_run_stores_into_the_pool(
 ) -> None:
     run = _store(harness, shared_pool, kind)
     cold = run.step("A", "cold")
-    where = _describe(cold)
+    where = describe(cold)
     model = harness.model(kind)
     assert_same_outputs(cold, _reference(harness, shared_pool, kind, "cold"), model, "cold run")
     assert cold["metrics"].get(EXTERNAL_HITS, 0.0) == 0, where
-    stored = counter(cold["connector"], "store.store_blocks")
-    assert stored > 0 and counter(cold["connector"], "store.store_blocks_dropped") == 0, where
+    stored = summed(cold["connector"], "stored_blocks")
+    assert stored > 0 and summed(cold["connector"], "store_dropped_blocks") == 0, where
     # The write-back copied every stored block on to the pool (it may finish after the
     # last engine step, so the counters are read after waiting for it).
     (settled,) = (r for r in run.records if r.get("op") == "integrity")
     assert settled["flushed"], settled
-    assert settled["counters"]["store.store_blocks"] == stored, settled
-    assert settled["counters"]["tier.mooncake.puts"] == stored, settled
+    totals = settled["counters"]
+    assert sum(v for k, v in totals.items() if k.startswith("stored_blocks{")) == stored
+    assert totals["tier_writes{tier=mooncake}"] == stored, settled
     assert shared_pool.status()["pool"]["key_count"], shared_pool.status()
     assert _integrity(run) == {"A": "ok"}
 
@@ -222,9 +218,9 @@ def test_second_process_loads_from_the_pool(
     step = run.step("B", "shared")
     reference = _reference(harness, shared_pool, kind, "cold")
     assert_same_outputs(step, reference, model, "engine B from the pool")
-    _assert_full_pool_hit(step, model.block_size, "engine B")
+    _assert_full_pool_hit(run, "B", "shared")
     # B's CPU tier started empty: nothing came from it.
-    assert tier_counter(step["connector"], "cpu", "gets") == 0, _describe(step)
+    assert counter(step["connector"], "tier_reads", tier="cpu") == 0, describe(step)
     assert _integrity(run) == {"B": "ok"}
 
 
@@ -241,28 +237,29 @@ def test_killed_daemon_costs_hits_not_correctness(
     assert_same_outputs(run.step("C", "store"), cold, model, "storing run")
     before = run.step("C", "before")
     assert_same_outputs(before, cold, model, "before the kill")
-    _assert_full_pool_hit(before, model.block_size, "before the kill")
+    _assert_full_pool_hit(run, "C", "before")
     totals = {"failed": 0.0, "misses": 0.0, "dropped": 0.0}
     for label in POST_KILL_LABELS:
         step = run.step("C", label)
-        where = f"{label}: {_describe(step)}"
+        where = f"{label}: {describe(step)}"
         want = concurrent if label == "killed" else cold
         assert_same_outputs(step, want, model, f"{label} (daemon dead)")
         stats = step["connector"]
         # Nothing can come from a dead daemon: every hit the lookup still saw failed
         # (counted, recomputed), or the master had dropped the objects (counted miss).
-        assert counter(stats, "load.loads_ok") == 0, where
-        assert tier_counter(stats, "mooncake", "get_bytes") == 0, where
-        failed = counter(stats, "load.loads_failed")
-        assert failed == counter(stats, "load.loads"), where
+        assert counter(stats, "loads", outcome="ok") == 0, where
+        assert counter(stats, "tier_read_bytes", tier="mooncake") == 0, where
+        failed = counter(stats, "loads", outcome="failed")
+        assert failed == summed(stats, "loads"), where
         if failed == 0:
-            assert counter(stats, "lookup.hit_tokens") == 0, where
+            assert counter(stats, "hit_tokens") == 0, where
             assert step["metrics"].get(EXTERNAL_HITS, 0.0) == 0, where
             assert step["num_cached_tokens"] == [0] * len(step["num_cached_tokens"]), where
         totals["failed"] += failed
-        totals["misses"] += tier_counter(stats, "mooncake", "misses")
-        totals["misses"] += tier_counter(stats, "mooncake", "errors")
-        totals["dropped"] += counter(stats, "store.store_blocks_dropped")
+        lookups = counter(stats, "tier_lookup_keys", tier="mooncake")
+        totals["misses"] += lookups - counter(stats, "tier_hits", tier="mooncake")
+        totals["misses"] += counter(stats, "tier_errors", tier="mooncake")
+        totals["dropped"] += summed(stats, "store_dropped_blocks")
     # The faults were seen and counted: failed loads or misses, and stores refused.
     assert totals["failed"] + totals["misses"] > 0, totals
     assert totals["dropped"] > 0, totals
@@ -276,14 +273,14 @@ def test_restarted_daemon_stores_and_hits_again(
     run = _recover(harness, fault_pool)
     cold = _reference(harness, shared_pool, FAULT_KIND, "cold")
     restore = run.step("D", "restore")
-    where = _describe(restore)
+    where = describe(restore)
     assert_same_outputs(restore, cold, model, "after the restart")
     # The restarted daemon came back empty: nothing to hit, everything stored again.
     assert restore["metrics"].get(EXTERNAL_HITS, 0.0) == 0, where
-    stored = counter(restore["connector"], "store.store_blocks")
-    assert stored > 0 and counter(restore["connector"], "store.store_blocks_dropped") == 0, where
-    assert tier_counter(restore["connector"], "mooncake", "puts") == stored, where
+    stored = summed(restore["connector"], "stored_blocks")
+    assert stored > 0 and summed(restore["connector"], "store_dropped_blocks") == 0, where
+    assert counter(restore["connector"], "tier_writes", tier="mooncake") == stored, where
     again = run.step("D", "again")
     assert_same_outputs(again, cold, model, "hit after the restart")
-    _assert_full_pool_hit(again, model.block_size, "after the restart")
+    _assert_full_pool_hit(run, "D", "again")
     assert _integrity(run) == {"D": "ok"}

@@ -1,7 +1,8 @@
 """The tiny models on real vLLM without the connector: the ground the other
 end-to-end tests stand on.
 
-* vLLM makes the KV cache groups ``TinyModel.kv_groups`` documents;
+* vLLM makes the KV cache groups ``TinyModel.groups`` documents, with block and
+  page sizes of its own choosing that differ between CPUs;
 * a prefix-cache hit gives the same greedy tokens as a cold run;
 * zeroing any single group's cached blocks changes the tokens of most
   requests, so a test that compares outputs (``compare.py``: exactly for
@@ -12,11 +13,14 @@ end-to-end tests stand on.
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
 from hybridkv.tools.models import TinyModelKind
 from tests.e2e.compare import output_problems
-from tests.e2e.conftest import BASELINE_KINDS, Harness, PlanRun
+from tests.e2e.harness import BASELINE_KINDS, Harness, PlanRun
 
 pytestmark = pytest.mark.slow
 
@@ -29,19 +33,36 @@ def _engine(kind: TinyModelKind) -> str:
 def test_vllm_makes_the_documented_groups(
     kind: TinyModelKind, harness: Harness, baselines: PlanRun
 ) -> None:
+    """Kinds, layers and windows as documented; sizes are the engine's, but follow
+    its rules: a block a multiple of the one asked for, attention pages sized by
+    their block, every group's page the same (one block pool)."""
     model = harness.model(kind)
-    measured = baselines.op("groups", engine=_engine(kind))["groups"]
+    facts = baselines.op("groups", engine=_engine(kind))
+    measured = facts["groups"]
     expected = [
         {
             "kind": g.kind.value,
-            "block_size": g.block_size,
-            "page_size_bytes": g.page_size_bytes,
             "sliding_window": g.sliding_window,
             "layer_names": list(g.layer_names),
         }
-        for g in model.kv_groups
+        for g in model.groups
     ]
     assert [{k: g[k] for k in expected[0]} for g in measured] == expected
+    config = json.loads((model.path / "config.json").read_text())
+    kv_bytes = (
+        2
+        * config["num_key_value_heads"]
+        * config["head_dim"]
+        * (4 if model.dtype == "float32" else 2)
+    )
+    for g in measured:
+        assert g["block_size"] % model.block_size == 0, g
+        if g["kind"] != "mamba":
+            assert g["page_size_bytes"] == g["block_size"] * kv_bytes, g
+    assert len({g["page_size_bytes"] for g in measured}) == 1, measured
+    block_sizes = [g["block_size"] for g in measured]
+    assert facts["alignment_tokens"] == math.lcm(*block_sizes), facts
+    assert facts["hash_block_size"] == math.gcd(*block_sizes), facts
 
 
 @pytest.mark.parametrize("kind", BASELINE_KINDS, ids=lambda k: k.value)
@@ -63,7 +84,7 @@ def test_every_group_changes_outputs_when_zeroed(
     engine = _engine(kind)
     cold = baselines.step(engine, "cold")
     exact = harness.model(kind).dtype == "float32"
-    for group_id in range(len(harness.model(kind).kv_groups)):
+    for group_id in range(len(harness.model(kind).groups)):
         refill = baselines.step(engine, f"refill_{group_id}")
         assert output_problems(refill, cold, exact=exact) == [], f"group {group_id}: refill"
         zeroed = baselines.step(engine, f"zero_{group_id}")

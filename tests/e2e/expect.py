@@ -1,0 +1,109 @@
+"""What the end-to-end tests expect, computed from what the engine itself reported.
+
+Block sizes, page sizes and the hit alignment are the engine's choice and
+differ between CPUs (vLLM's CPU kernels pick them), so every expectation that
+depends on them takes the ``groups`` record of the engine under test (its
+``kv_cache_config``), never a constant. Also: readers of the connector's
+metrics and the output comparison every test uses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from hybridkv.tools.models import TinyModel
+from tests.e2e.compare import LOGPROB_TOLERANCE, output_problems
+
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
+"""Counted when the scheduler accepts a hit; a load that fails later stays counted."""
+EXTERNAL_PREFILLED = "vllm:prompt_tokens_by_source{source=external_kv_transfer}"
+"""Counted per finished prefill: tokens that really came from the connector."""
+
+
+def full_hit_tokens(num_prompt_tokens: int, facts: dict[str, Any]) -> int:
+    """The longest hit a prompt can have: aligned, one token left to compute."""
+    align = int(facts["alignment_tokens"])
+    return (num_prompt_tokens - 1) // align * align
+
+
+def needed_blocks(facts: dict[str, Any], hit_tokens: int) -> list[int]:
+    """Blocks per group a hybrid-aware load moves to resume at ``hit_tokens``.
+
+    Full attention: every block before the hit; sliding window: the blocks
+    holding the last ``window - 1`` tokens (at least one); Mamba: the one
+    block with the state at the hit. The rules vLLM's own prefix cache uses.
+    """
+    needed = []
+    for group in facts["groups"]:
+        block_size = group["block_size"]
+        num_hit_blocks = hit_tokens // block_size
+        if group["kind"] == "full":
+            needed.append(num_hit_blocks)
+        elif group["kind"] == "sliding_window":
+            window_blocks = max(1, math.ceil((group["sliding_window"] - 1) / block_size))
+            needed.append(min(num_hit_blocks, window_blocks))
+        else:
+            needed.append(1 if num_hit_blocks else 0)
+    return needed
+
+
+def moved_bytes_per_block(model: TinyModel, facts: dict[str, Any]) -> list[int]:
+    """Bytes one block of each group carries: its pages, but a Mamba layer's state
+    unpadded (vLLM pads it to the attention page; the padding is not data)."""
+    config = json.loads((model.path / "config.json").read_text())
+    sizes = []
+    for group in facts["groups"]:
+        num_layers = len(group["layer_names"])
+        if group["kind"] == "mamba":
+            key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+            value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+            conv = (2 * key_dim + value_dim) * (config["linear_conv_kernel_dim"] - 1)
+            recurrent = config["linear_num_value_heads"] * (
+                config["linear_key_head_dim"] * config["linear_value_head_dim"]
+            )
+            sizes.append(2 * (conv + recurrent) * num_layers)  # bfloat16
+        else:
+            sizes.append(group["page_size_bytes"] * num_layers)
+    return sizes
+
+
+def counter(stats: dict[str, float], name: str, **labels: str) -> float:
+    """A connector metric from a snapshot, e.g. ``counter(s, "loads", outcome="ok")``."""
+    base = f"hybridkv_{name}"
+    suffix = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return stats.get(f"{base}{{{suffix}}}" if suffix else base, 0.0)
+
+
+def summed(stats: dict[str, float], name: str) -> float:
+    """A connector metric summed over all its labels (groups, tiers, outcomes)."""
+    base = f"hybridkv_{name}"
+    return sum(v for k, v in stats.items() if k == base or k.startswith(base + "{"))
+
+
+def group_counter(stats: dict[str, float], name: str, facts: dict[str, Any]) -> list[float]:
+    """A per-group metric, one value per group of the engine."""
+    return [
+        counter(stats, name, group=str(g), kind=group["kind"])
+        for g, group in enumerate(facts["groups"])
+    ]
+
+
+def describe(step: dict[str, Any]) -> str:
+    return (
+        f"num_cached_tokens={step['num_cached_tokens']} metrics={step['metrics']} "
+        f"connector={step['connector']}"
+    )
+
+
+def assert_same_outputs(
+    step: dict[str, Any], reference: dict[str, Any], model: TinyModel, what: str
+) -> None:
+    """Greedy tokens equal (float32) or equal within bfloat16 noise (see ``compare``)."""
+    exact = model.dtype == "float32"
+    problems = output_problems(step, reference, exact=exact)
+    rule = "identical" if exact else f"within {LOGPROB_TOLERANCE} nats"
+    assert not problems, (
+        f"{what}: outputs not {rule} to the run without the connector:\n" + "\n".join(problems)
+    )
