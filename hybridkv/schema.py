@@ -283,11 +283,11 @@ def _type_text(tp: Any) -> str:
         texts = [_type_text(a) for a in args if a is not type(None)]
         return " or ".join(dict.fromkeys(texts))
     if origin is typing.Literal:
-        return " | ".join(repr(a) for a in args)
+        return " or ".join(repr(a) for a in args)
     if origin in (list, tuple, Sequence):
         return "list"
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return " | ".join(repr(m.value) for m in tp)
+        return " or ".join(repr(m.value) for m in tp)
     if tp is Path:
         return "path"
     return getattr(tp, "__name__", str(tp))

@@ -117,7 +117,7 @@ def test_docs_come_from_the_declarations() -> None:
     assert docs["size"].type_text == "bytes" and docs["size"].default_text == "required"
     assert docs["size"].description == "how big"
     connector = {d.name: d for d in field_docs(ConnectorConfig)}
-    assert connector["selection"].type_text == "'per_block' | 'whole_request'"
+    assert connector["selection"].type_text == "'per_block' or 'whole_request'"
     assert connector["selection"].default_text == "'per_block'"
     assert connector["load_timeout_s"].type_text == "number"
     assert connector["load_timeout_s"].default_text == "30.0"

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "demo": ("hybridkv.cli.demo", "run a tiny hybrid model cold, warm and after a restart"),
     "pool": ("hybridkv.cli.pool", "start or stop a local Mooncake pool on loopback"),
+    "config": ("hybridkv.cli.config", "list every configuration key, or check a config"),
 }
 
 

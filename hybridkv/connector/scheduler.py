@@ -17,10 +17,9 @@ computed it hits at once; the worker loads it only after its store is done.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
 
-from hybridkv.connector.lookup import BoundedKeySet, KeyLookup
+from hybridkv.connector.lookup import KeyLookup
 from hybridkv.connector.metadata import (
     BlockRef,
     BlockTransfer,
@@ -35,16 +34,15 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.requests import GroupBlockTable, RequestState
 from hybridkv.connector.stats import SchedulerStats
 from hybridkv.connector.steps import LookupResult, ScheduledRequest, StepInput
+from hybridkv.connector.stores import StorePlanner, make_transfer
 from hybridkv.hits import Hit, find_longest_hit
-from hybridkv.keys import BlockHash, HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
+from hybridkv.keys import HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.spec import KVLayoutSpec
 from hybridkv.spec.kinds import rules_for
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
 
 logger = logging.getLogger(__name__)
 
-RECENT_STORES = 1 << 16
-"""Blocks sent for storing recently: not sent again while remembered."""
 MAX_LOAD_ATTEMPTS = 2
 """A request whose loads failed this often is recomputed without asking again."""
 _RETRY = frozenset({LoadOutcome.FAILED, LoadOutcome.CANCELLED})
@@ -85,9 +83,7 @@ class ConnectorScheduler:
         self._requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._cancelled: set[str] = set()
-        self._recent_stores: BoundedKeySet[BlockRef] = BoundedKeySet(RECENT_STORES)
-        self._storing: OrderedDict[BlockRef, int] = OrderedDict()
-        """Blocks sent for storing -> ranks that have not confirmed them yet."""
+        self.stores = StorePlanner(layout, self.builders[0], tp_size)
 
     # --- lookups and loads ---------------------------------------------------
 
@@ -155,7 +151,9 @@ class ConnectorScheduler:
 
         def contains(group_id: int, indices: Sequence[int]) -> list[bool]:
             hashes = self.builders[0].block_hashes(group_id, chain, indices)
-            storing = [count_storing and BlockRef(group_id, h) in self._storing for h in hashes]
+            storing = [
+                count_storing and self.stores.is_storing(BlockRef(group_id, h)) for h in hashes
+            ]
             found = [True] * len(hashes)
             for rank, builder in enumerate(self.builders):
                 todo = [i for i, s in enumerate(storing) if not s and found[i]]
@@ -233,7 +231,7 @@ class ConnectorScheduler:
             kept = [i for i in indices if i not in missing]
             if kept:
                 hashes = self.builders[0].block_hashes(group_id, st.hasher.block_hashes, kept)
-                transfers.append(_transfer(group_id, hashes, [ids[i] for i in kept], kept))
+                transfers.append(make_transfer(group_id, hashes, [ids[i] for i in kept], kept))
         return LoadSpec(
             req_id=req_id,
             num_tokens=target,
@@ -269,46 +267,7 @@ class ConnectorScheduler:
         if req.replaces_block_ids:
             st.table.clear()
         st.table.append(req.new_block_ids)
-        start = req.num_computed_tokens
-        end = min(start + req.num_scheduled_tokens, len(req.token_ids))
-        if end <= start or not st.cacheable:
-            return None
-        st.extend(req.token_ids, end)
-        transfers: list[BlockTransfer] = []
-        for group_id, group in enumerate(self.layout.groups):
-            ids = st.table.block_ids[group_id]
-            stored = rules_for(group.kind).stored_blocks(group, start, end, self.alignment_tokens)
-            indices = [i for i in stored if i < len(ids) and ids[i] != 0]
-            if not indices:
-                continue
-            hashes = self.builders[0].block_hashes(group_id, st.hasher.block_hashes, indices)
-            fresh = [
-                n for n, h in enumerate(hashes) if BlockRef(group_id, h) not in self._recent_stores
-            ]
-            if not fresh:
-                continue
-            refs = [BlockRef(group_id, hashes[n]) for n in fresh]
-            self._recent_stores.add_many(refs)
-            self._note_storing(refs)
-            transfers.append(
-                _transfer(
-                    group_id,
-                    [hashes[n] for n in fresh],
-                    [ids[indices[n]] for n in fresh],
-                    [indices[n] for n in fresh],
-                )
-            )
-            self.stats.store_blocks_planned += len(fresh)
-        if not transfers:
-            return None
-        return StoreSpec(req_id=req.req_id, transfers=tuple(transfers))
-
-    def _note_storing(self, refs: Sequence[BlockRef]) -> None:
-        for ref in refs:
-            self._storing[ref] = self.tp_size
-            self._storing.move_to_end(ref)
-        while len(self._storing) > RECENT_STORES:
-            self._storing.popitem(last=False)
+        return self.stores.plan(st, req, self.alignment_tokens)
 
     # --- results and the end of a request --------------------------------------
 
@@ -323,17 +282,7 @@ class ConnectorScheduler:
         builder = self.builders[report.tp_rank]
         self.lookup_view.on_stored([builder.key(*ref) for ref in report.stored])
         self.lookup_view.on_missing([builder.key(*ref) for ref in report.missing])
-        for ref in report.stored:
-            left = self._storing.get(ref)
-            if left is not None and left <= 1:
-                del self._storing[ref]
-            elif left is not None:
-                self._storing[ref] = left - 1
-        # Dropped or lost blocks may be stored again when a request computes them.
-        for ref in (*report.dropped, *report.missing):
-            self._storing.pop(ref, None)
-        self._recent_stores.discard_many(report.dropped)
-        self._recent_stores.discard_many(report.missing)
+        self.stores.take_report(report)
         for result in report.finished_loads:
             self._finish_load(report.tp_rank, result)
 
@@ -393,7 +342,9 @@ class ConnectorScheduler:
         served = [0] * view.num_tiers
         for t in spec.transfers:
             block_bytes = self.layout.groups[t.group_id].block_bytes
-            todo = [h for h in t.block_hashes if BlockRef(t.group_id, h) not in self._storing]
+            todo = [
+                h for h in t.block_hashes if not self.stores.is_storing(BlockRef(t.group_id, h))
+            ]
             served[0] += (len(t.block_hashes) - len(todo)) * block_bytes
             for tier in order:
                 if not todo:
@@ -408,11 +359,6 @@ class ConnectorScheduler:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
-
-    @property
-    def num_blocks_storing(self) -> int:
-        """Blocks sent for storing that some rank has not confirmed yet."""
-        return len(self._storing)
 
     # --- helpers ---------------------------------------------------------------
 
@@ -440,14 +386,3 @@ def _split(total: int, weights: Sequence[int]) -> dict[int, int]:
     for i in by_remainder[: total - sum(shares)]:
         shares[i] += 1
     return {i: share for i, share in enumerate(shares) if share}
-
-
-def _transfer(
-    group_id: int, hashes: Sequence[BlockHash], block_ids: Sequence[int], indices: Sequence[int]
-) -> BlockTransfer:
-    return BlockTransfer(
-        group_id=group_id,
-        block_hashes=tuple(hashes),
-        block_ids=tuple(block_ids),
-        block_indices=tuple(indices),
-    )

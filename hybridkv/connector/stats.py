@@ -23,7 +23,6 @@ class SchedulerStats:
     loads_planned: int = 0
     loads_unplanned: int = 0
     """The engine asked for a load the lookup could not back: recomputed."""
-    store_blocks_planned: int = 0
 
 
 @dataclass(kw_only=True)

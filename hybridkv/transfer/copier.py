@@ -11,16 +11,11 @@ one-buffer caches lay them out), the cache is viewed as one 1-D array of
 span-sized ``void`` elements, and a whole call is one ``np.take(out=...)``
 (gather) or ``np.put`` (scatter) over element indices (block id times the row
 step, plus each span's start, precomputed), block by block in object order.
-Each element is one ``memcpy``. With 4 KiB spans on randomly placed blocks this
-gathered 5-10% faster than ``torch.index_select`` per span (whose copy loop is
-slower than ``memcpy`` there) and scattered as fast as or a little faster than
-numpy assignment per span; with few blocks per call, one op instead of one per
-layer is what counts. Spans that would share an element (aliased layers) never
-take this path, so both paths write in the same order. What is left below a
-plain memcpy with 4 KiB spans is the access pattern: a C loop that memcpys the
-same spans one after another measures the same. Copying a block's spans
-interleaved (several streams in flight) closes most of it, but neither numpy
-nor torch has an op that keeps that order, so it would take compiled code.
+Each element is one ``memcpy``, which beats ``torch.index_select``'s copy
+loop on small spans, and one op per call instead of one per layer is what
+counts with few blocks per call (``benchmarks/bench_transfer.py``). Spans
+that would share an element (aliased layers) never take this path, so both
+paths write in the same order.
 
 CPU, general path (a tensor per layer, padded rows, slots of different row
 strides): each span moves all requested blocks in one indexed op, viewed as the
@@ -28,10 +23,9 @@ widest integer type the alignment allows: gather with
 ``torch.index_select(out=...)``, scatter with numpy assignment over whole-span
 ``void`` elements (one memcpy per block and span).
 
-Block ids become a numpy array once per call with ``np.array`` (a list of 4096
-ids not in cache: about 0.35 ms, against 0.7 ms for ``torch.as_tensor`` and 8 ms
-for copying their 64 MiB) and are range-checked (numpy would wrap a negative
-id). Copies run on the calling thread only.
+Block ids become a numpy array once per call with ``np.array`` (cheaper than
+``torch.as_tensor`` for a list) and are range-checked (numpy would wrap a
+negative id). Copies run on the calling thread only.
 
 CUDA: per-span indexed ops on a side stream that first waits for the compute
 stream, device <-> pinned host copies on that stream, and an event the call

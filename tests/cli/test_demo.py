@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.cli import demo
-from hybridkv.cli.demo import RunReport
+from hybridkv.cli import demo, demo_report
+from hybridkv.cli.demo_report import RunReport
 from hybridkv.spec import GroupKind, make_layer_names
 from hybridkv.tools.models import GroupShape, TinyModelKind
 
@@ -72,22 +72,22 @@ def test_prompts_share_the_prefix_and_differ_after_it() -> None:
 
 
 def test_format_bytes_units() -> None:
-    assert demo.format_bytes(0) == "0 B"
-    assert demo.format_bytes(1023) == "1023 B"
-    assert demo.format_bytes(1536) == "1.5 KiB"
-    assert demo.format_bytes(832 * 1024) == "832.0 KiB"
-    assert demo.format_bytes(3 << 30) == "3.0 GiB"
-    assert demo.format_bytes(5000 << 30) == "5000.0 GiB"
+    assert demo_report.format_bytes(0) == "0 B"
+    assert demo_report.format_bytes(1023) == "1023 B"
+    assert demo_report.format_bytes(1536) == "1.5 KiB"
+    assert demo_report.format_bytes(832 * 1024) == "832.0 KiB"
+    assert demo_report.format_bytes(3 << 30) == "3.0 GiB"
+    assert demo_report.format_bytes(5000 << 30) == "5000.0 GiB"
 
 
 def test_table_columns_line_up() -> None:
-    text = demo.format_table([["run", "n"], ["cold", "1"], ["restart", "12345"]])
+    text = demo_report.format_table([["run", "n"], ["cold", "1"], ["restart", "12345"]])
     lines = text.splitlines()
     assert lines[0] == "run          n"
     assert lines[1] == "-------  -----"
     assert lines[2] == "cold         1"
     assert lines[3] == "restart  12345"
-    assert demo.format_table([]) == ""
+    assert demo_report.format_table([]) == ""
 
 
 def test_rows_show_per_group_blocks_and_matches() -> None:
@@ -109,7 +109,7 @@ def test_rows_show_per_group_blocks_and_matches() -> None:
         loaded_blocks=14,
         group_blocks=[2, 12],
     )
-    rows = demo.report_rows([cold, warm, restart], [SLIDING, FULL])
+    rows = demo_report.report_rows([cold, warm, restart], [SLIDING, FULL])
     assert rows[0][3] == "blocks loaded (g0 sliding_window/g1 full)"
     assert rows[1] == ["cold", "800", "0", "0", "0 B", "480.0 KiB", "250", "reference"]
     assert rows[2][2:5] == ["384", "2/12 = 14", "224.0 KiB"]
@@ -128,16 +128,16 @@ def test_bfloat16_runs_match_within_noise_but_not_beyond() -> None:
         top_logprobs=[[{"7": -1.0, "1": -1.02}, {"9": -0.1}]],
         num_external_tokens=10,
     )
-    assert demo.verdict([cold, flipped], exact=False) == []
-    assert demo.report_rows([cold, flipped], [FULL], exact=False)[2][7] == "match"
-    assert demo.verdict([cold, flipped], exact=True) != []
+    assert demo_report.verdict([cold, flipped], exact=False) == []
+    assert demo_report.report_rows([cold, flipped], [FULL], exact=False)[2][7] == "match"
+    assert demo_report.verdict([cold, flipped], exact=True) != []
     drifted = report(
         "warm",
         [[1, 2]],
         top_logprobs=[[{"1": -1.0, "7": -1.01}, {"2": -0.9, "3": -2.0}]],
         num_external_tokens=10,
     )
-    assert demo.verdict([cold, drifted], exact=False) == [
+    assert demo_report.verdict([cold, drifted], exact=False) == [
         "warm run: outputs of prompts [0] differ from the cold run"
     ]
 
@@ -145,13 +145,13 @@ def test_bfloat16_runs_match_within_noise_but_not_beyond() -> None:
 def test_verdict_names_runs_that_differ_or_loaded_nothing() -> None:
     cold = report("cold", [[1, 2], [3, 4]])
     good = report("warm", [[1, 2], [3, 4]], num_external_tokens=10)
-    assert demo.verdict([cold, good]) == []
+    assert demo_report.verdict([cold, good]) == []
     bad = report("restart", [[1, 2], [3, 9]], num_external_tokens=0)
-    assert demo.verdict([cold, good, bad]) == [
+    assert demo_report.verdict([cold, good, bad]) == [
         "restart run: outputs of prompts [1] differ from the cold run",
         "restart run: loaded no tokens from the tiers",
     ]
-    assert demo.verdict([]) == ["no runs finished"]
+    assert demo_report.verdict([]) == ["no runs finished"]
 
 
 def test_clear_stored_kv_keeps_the_model_and_unrelated_files(tmp_path: Path) -> None:

@@ -68,6 +68,8 @@ def kv_cache_groups(llm: Any) -> list[dict[str, Any]]:
                 "spec": type(spec).__name__,
                 "block_size": int(spec.block_size),
                 "page_size_bytes": int(spec.page_size_bytes),
+                "real_page_size_bytes": int(getattr(spec, "real_page_size_bytes", 0) or 0)
+                or int(spec.page_size_bytes),
                 "sliding_window": getattr(spec, "sliding_window", None),
                 "layer_names": list(group.layer_names),
             }

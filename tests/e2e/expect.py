@@ -9,12 +9,12 @@ metrics and the output comparison every test uses.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 from hybridkv.tools.models import TinyModel
 from tests.e2e.compare import LOGPROB_TOLERANCE, output_problems
+from tests.e2e.harness import PlanRun
 
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
 """Counted when the scheduler accepts a hit; a load that fails later stays counted."""
@@ -49,24 +49,17 @@ def needed_blocks(facts: dict[str, Any], hit_tokens: int) -> list[int]:
     return needed
 
 
-def moved_bytes_per_block(model: TinyModel, facts: dict[str, Any]) -> list[int]:
-    """Bytes one block of each group carries: its pages, but a Mamba layer's state
-    unpadded (vLLM pads it to the attention page; the padding is not data)."""
-    config = json.loads((model.path / "config.json").read_text())
-    sizes = []
-    for group in facts["groups"]:
-        num_layers = len(group["layer_names"])
-        if group["kind"] == "mamba":
-            key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
-            value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
-            conv = (2 * key_dim + value_dim) * (config["linear_conv_kernel_dim"] - 1)
-            recurrent = config["linear_num_value_heads"] * (
-                config["linear_key_head_dim"] * config["linear_value_head_dim"]
-            )
-            sizes.append(2 * (conv + recurrent) * num_layers)  # bfloat16
-        else:
-            sizes.append(group["page_size_bytes"] * num_layers)
-    return sizes
+def moved_bytes_per_block(facts: dict[str, Any]) -> list[int]:
+    """Bytes one block of each group carries: its layers' pages, a Mamba layer's state
+    unpadded (vLLM pads it to the attention page; the padding is not data). The state's
+    size is the engine's: its dtypes differ between CPUs."""
+    return [g["real_page_size_bytes"] * len(g["layer_names"]) for g in facts["groups"]]
+
+
+def engine_facts(run: PlanRun, engine: str) -> dict[str, Any]:
+    """The KV cache facts an engine recorded first thing (see ``scenarios.engine``)."""
+    record = run.op("groups", engine=engine)
+    return {key: record[key] for key in ("groups", "alignment_tokens", "hash_block_size")}
 
 
 def counter(stats: dict[str, float], name: str, **labels: str) -> float:

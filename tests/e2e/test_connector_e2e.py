@@ -23,6 +23,7 @@ from tests.e2e.expect import (
     assert_same_outputs,
     counter,
     describe,
+    engine_facts,
     full_hit_tokens,
     group_counter,
     moved_bytes_per_block,
@@ -55,7 +56,7 @@ def _cache_dir(harness: Harness, kind: TinyModelKind) -> Path:
 
 def _facts(run: PlanRun, engine: str = "first") -> dict[str, Any]:
     """The engine's own KV cache groups and hit alignment (they differ between CPUs)."""
-    return run.op("groups", engine=engine)
+    return engine_facts(run, engine)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
@@ -64,7 +65,7 @@ def test_connector_keeps_the_hybrid_layout(
 ) -> None:
     run = _first(harness, kind)
     facts = _facts(run)
-    assert facts == baselines.op("groups", engine=f"baseline-{kind.value}")
+    assert facts == engine_facts(baselines, f"baseline-{kind.value}")
     assert len(facts["groups"]) == len(harness.model(kind).groups) >= 2
 
 
@@ -106,7 +107,7 @@ def test_warm_run_loads_every_group_from_the_tiers(
     per_group = [needed_blocks(facts, h) for h in expected]
     want_blocks = [sum(blocks[g] for blocks in per_group) for g in range(len(facts["groups"]))]
     assert group_counter(stats, "loaded_blocks", facts) == want_blocks, describe(warm)
-    sizes = moved_bytes_per_block(model, facts)
+    sizes = moved_bytes_per_block(facts)
     want_bytes = [n * size for n, size in zip(want_blocks, sizes, strict=True)]
     assert group_counter(stats, "loaded_bytes", facts) == want_bytes, describe(warm)
 

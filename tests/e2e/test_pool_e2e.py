@@ -33,6 +33,7 @@ from tests.e2e.expect import (
     assert_same_outputs,
     counter,
     describe,
+    engine_facts,
     full_hit_tokens,
     summed,
 )
@@ -169,7 +170,7 @@ def _recover(harness: Harness, pool: LocalPool) -> PlanRun:
 def _assert_full_pool_hit(run: PlanRun, engine_label: str, step_label: str) -> None:
     """Every prompt resumed from the pool at its last aligned block."""
     step = run.step(engine_label, step_label)
-    facts = run.op("groups", engine=engine_label)
+    facts = engine_facts(run, engine_label)
     where = f"{engine_label}/{step_label}: {describe(step)}"
     expected = [full_hit_tokens(n, facts) for n in step["num_prompt_tokens"]]
     assert step["num_cached_tokens"] == expected, where

@@ -20,6 +20,7 @@ import pytest
 
 from hybridkv.tools.models import TinyModelKind
 from tests.e2e.compare import output_problems
+from tests.e2e.expect import engine_facts
 from tests.e2e.harness import BASELINE_KINDS, Harness, PlanRun
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ def test_vllm_makes_the_documented_groups(
     its rules: a block a multiple of the one asked for, attention pages sized by
     their block, every group's page the same (one block pool)."""
     model = harness.model(kind)
-    facts = baselines.op("groups", engine=_engine(kind))
+    facts = engine_facts(baselines, _engine(kind))
     measured = facts["groups"]
     expected = [
         {

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hybridkv.tools.models as models
+import hybridkv.tools.models.build as models
 from hybridkv.spec import GroupKind
 from hybridkv.tools.models import (
     TinyModel,
@@ -142,7 +142,7 @@ def test_seeds_give_different_weights_and_same_seed_same_weights(tmp_path: Path)
 
 def test_stale_marker_triggers_a_rebuild(tmp_path: Path) -> None:
     model = build_tiny_model(TinyModelKind.GEMMA3, tmp_path)
-    marker = model.path / models._MARKER
+    marker = model.path / models.MARKER
     marker.write_text(json.dumps({"digest": "stale"}))
     build_tiny_model(TinyModelKind.GEMMA3, tmp_path)
     assert json.loads(marker.read_text())["digest"] != "stale"

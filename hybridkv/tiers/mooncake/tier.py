@@ -225,9 +225,9 @@ class MooncakeTier(Tier):
         """Split a batch into as few rounds as the slots allow; also returns the
         indices too large for a slot (logged, left ERROR, counted by the caller).
 
-        Measured on a busy 2-core host: one 16 MiB round reached 0.91 of the
-        raw client, four pipelined 4 MiB rounds only 0.6-0.7 (per-call costs,
-        no idle core to overlap on); batches larger than a slot still overlap.
+        Few large rounds beat many small pipelined ones on a small host
+        (per-call costs, no idle core to overlap on; ``benchmarks/bench_pool.py``);
+        batches larger than a slot still overlap.
         """
         sizes = [HEADER_BYTES + len(buffers[i]) for i in todo]
         rounds, too_large = plan_rounds(sizes, self.slot_bytes)

@@ -1,0 +1,111 @@
+"""Which blocks a step stores, and what the scheduler remembers of stores in flight.
+
+Scheduler process; no I/O. Every block a step completes is sent for storing
+once (a recent block is not sent again), except blocks a worker reported
+dropped or lost, which may be sent again. Until every rank confirms a block,
+it counts as stored for lookups (read-your-writes; the worker loads it only
+after its store is done).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from hybridkv.connector.lookup import BoundedKeySet
+from hybridkv.connector.metadata import BlockRef, BlockTransfer, RankReport, StoreSpec
+from hybridkv.connector.requests import RequestState
+from hybridkv.connector.steps import ScheduledRequest
+from hybridkv.keys import BlockHash, KeyBuilder
+from hybridkv.spec import KVLayoutSpec
+from hybridkv.spec.kinds import rules_for
+
+RECENT_STORES = 1 << 16
+"""Blocks sent for storing recently: not sent again while remembered."""
+
+
+class StorePlanner:
+    def __init__(self, layout: KVLayoutSpec, builder: KeyBuilder, tp_size: int) -> None:
+        self.layout = layout
+        self.builder = builder
+        """Any rank's builder: block hashes are the same for every rank."""
+        self.tp_size = tp_size
+        self._recent: BoundedKeySet[BlockRef] = BoundedKeySet(RECENT_STORES)
+        self._storing: OrderedDict[BlockRef, int] = OrderedDict()
+        """Blocks sent for storing -> ranks that have not confirmed them yet."""
+        self.num_blocks_planned = 0
+
+    def plan(
+        self, st: RequestState, req: ScheduledRequest, alignment_tokens: int
+    ) -> StoreSpec | None:
+        """The blocks of every group that this step of ``req`` completes (not sent yet)."""
+        start = req.num_computed_tokens
+        end = min(start + req.num_scheduled_tokens, len(req.token_ids))
+        if end <= start or not st.cacheable:
+            return None
+        st.extend(req.token_ids, end)
+        transfers: list[BlockTransfer] = []
+        for group_id, group in enumerate(self.layout.groups):
+            ids = st.table.block_ids[group_id]
+            stored = rules_for(group.kind).stored_blocks(group, start, end, alignment_tokens)
+            indices = [i for i in stored if i < len(ids) and ids[i] != 0]
+            if not indices:
+                continue
+            hashes = self.builder.block_hashes(group_id, st.hasher.block_hashes, indices)
+            fresh = [n for n, h in enumerate(hashes) if BlockRef(group_id, h) not in self._recent]
+            if not fresh:
+                continue
+            refs = [BlockRef(group_id, hashes[n]) for n in fresh]
+            self._recent.add_many(refs)
+            self._note_storing(refs)
+            transfers.append(
+                make_transfer(
+                    group_id,
+                    [hashes[n] for n in fresh],
+                    [ids[indices[n]] for n in fresh],
+                    [indices[n] for n in fresh],
+                )
+            )
+            self.num_blocks_planned += len(fresh)
+        if not transfers:
+            return None
+        return StoreSpec(req_id=req.req_id, transfers=tuple(transfers))
+
+    def is_storing(self, ref: BlockRef) -> bool:
+        return ref in self._storing
+
+    @property
+    def num_blocks_storing(self) -> int:
+        """Blocks sent for storing that some rank has not confirmed yet."""
+        return len(self._storing)
+
+    def take_report(self, report: RankReport) -> None:
+        for ref in report.stored:
+            left = self._storing.get(ref)
+            if left is not None and left <= 1:
+                del self._storing[ref]
+            elif left is not None:
+                self._storing[ref] = left - 1
+        # Dropped or lost blocks may be stored again when a request computes them.
+        for ref in (*report.dropped, *report.missing):
+            self._storing.pop(ref, None)
+        self._recent.discard_many(report.dropped)
+        self._recent.discard_many(report.missing)
+
+    def _note_storing(self, refs: Sequence[BlockRef]) -> None:
+        for ref in refs:
+            self._storing[ref] = self.tp_size
+            self._storing.move_to_end(ref)
+        while len(self._storing) > RECENT_STORES:
+            self._storing.popitem(last=False)
+
+
+def make_transfer(
+    group_id: int, hashes: Sequence[BlockHash], block_ids: Sequence[int], indices: Sequence[int]
+) -> BlockTransfer:
+    return BlockTransfer(
+        group_id=group_id,
+        block_hashes=tuple(hashes),
+        block_ids=tuple(block_ids),
+        block_indices=tuple(indices),
+    )
