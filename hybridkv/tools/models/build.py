@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridkv.spec import GroupKind
+
 MARKER = "hybridkv-model.json"
 VOCAB_SIZE = 512
 """The tokenizer's vocabulary (recipes with a larger vocabulary pass token ids)."""
@@ -39,6 +41,50 @@ by the scaled-up linear branch."""
 _LINEAR_DECAY_RANGE = (0.005, 0.02)
 """Per-token decay rates (``A``) of the linear-attention state: random init
 draws rates up to 16, which forget a prefix within a few tokens."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupShape:
+    """The parts of a KV cache group that do not depend on the machine."""
+
+    kind: GroupKind
+    layer_names: tuple[str, ...]
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalModel:
+    """A model built here, and the engine settings it is meant to run with."""
+
+    path: Path
+    seed: int
+    dtype: str
+    block_size: int
+    """The block size asked of the engine (it may choose larger for Mamba models)."""
+    max_model_len: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    groups: tuple[GroupShape, ...]
+    """The KV cache groups vLLM makes for this model, in vLLM's order."""
+
+    def engine_kwargs(self, *, kv_cache_memory_bytes: int = 64 << 20) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.LLM`` (and the server's flags).
+
+        Prefix caching stays on (a hybrid allocator needs it for hits), the
+        KV cache size is explicit (no memory profiling run), eager mode.
+        """
+        return {
+            "model": str(self.path),
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "seed": self.seed,
+            "enforce_eager": True,
+            "enable_prefix_caching": True,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "max_num_seqs": 16,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +168,15 @@ def _marker_digest(path: Path) -> str | None:
     return digest if isinstance(digest, str) else None
 
 
+_MODEL_CLASSES = {
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+}
+"""transformers' config and model classes (by name: transformers is imported lazily)
+for each ``model_type`` a recipe may name."""
+
+
 def _write_checkpoint(recipe: Recipe, seed: int, out: Path) -> None:
     import torch
     import transformers
@@ -129,12 +184,13 @@ def _write_checkpoint(recipe: Recipe, seed: int, out: Path) -> None:
     torch.manual_seed(seed)
     raw = dict(recipe.hf_config)
     model_type = raw.pop("model_type")
-    if model_type == "gemma3_text":
-        config = transformers.Gemma3TextConfig(**raw)
-        model = transformers.Gemma3ForCausalLM(config)
-    else:
-        config = transformers.Qwen3NextConfig(**raw)
-        model = transformers.Qwen3NextForCausalLM(config)
+    if model_type not in _MODEL_CLASSES:
+        raise ValueError(
+            f"model_type={model_type!r} cannot be built; use one of {sorted(_MODEL_CLASSES)}"
+        )
+    config_name, model_name = _MODEL_CLASSES[model_type]
+    config = getattr(transformers, config_name)(**raw)
+    model = getattr(transformers, model_name)(config)
     if recipe.scale_state:
         _scale_for_state_sensitivity(model)
     dtype = getattr(torch, recipe.dtype)

@@ -37,7 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.spec import GroupKind
-from hybridkv.tools.models.build import VOCAB_SIZE, Recipe, build_checkpoint
+from hybridkv.tools.models.build import (
+    VOCAB_SIZE,
+    GroupShape,
+    LocalModel,
+    Recipe,
+    build_checkpoint,
+)
 
 _BUILD_VERSION = 5
 """Bump when a recipe changes: cached models of another version are rebuilt."""
@@ -59,51 +65,14 @@ class TinyModelKind(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GroupShape:
-    """The parts of a KV cache group that do not depend on the machine."""
-
-    kind: GroupKind
-    layer_names: tuple[str, ...]
-    sliding_window: int | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class TinyModel:
+class TinyModel(LocalModel):
     """A built tiny model and the engine settings it is meant to run with."""
 
     kind: TinyModelKind
-    path: Path
-    seed: int
-    dtype: str
-    block_size: int
-    """The block size asked of the engine (it may choose larger, see the module doc)."""
-    max_model_len: int
-    vocab_size: int
-    groups: tuple[GroupShape, ...]
-    """The KV cache groups vLLM makes for this model, in vLLM's order."""
 
     @property
     def model_id(self) -> str:
         return f"tiny-{self.kind.value}-seed{self.seed}"
-
-    def engine_kwargs(self, *, kv_cache_memory_bytes: int = 64 << 20) -> dict[str, Any]:
-        """Keyword arguments for ``vllm.LLM`` that keep an engine small and fast.
-
-        Prefix caching stays on (a hybrid allocator needs it for hits), the
-        KV cache size is explicit (no memory profiling run), eager mode.
-        """
-        return {
-            "model": str(self.path),
-            "dtype": self.dtype,
-            "block_size": self.block_size,
-            "max_model_len": self.max_model_len,
-            "seed": self.seed,
-            "enforce_eager": True,
-            "enable_prefix_caching": True,
-            "kv_cache_memory_bytes": kv_cache_memory_bytes,
-            "max_num_seqs": 16,
-            "max_num_batched_tokens": 4 * self.max_model_len,
-        }
 
 
 _COMMON_CONFIG: dict[str, Any] = {
@@ -229,6 +198,7 @@ def build_tiny_model(kind: TinyModelKind, out_dir: Path, *, seed: int = 0) -> Ti
         dtype=tiny.recipe.dtype,
         block_size=_BLOCK_SIZE,
         max_model_len=tiny.max_model_len,
+        max_num_batched_tokens=4 * tiny.max_model_len,
         vocab_size=VOCAB_SIZE,
         groups=tiny.groups,
     )
