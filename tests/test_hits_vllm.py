@@ -81,15 +81,23 @@ def vllm_hit(
     alignment_tokens: int,
     hash_block_size: int,
     use_eagle: bool,
+    eagle_groups: frozenset[int] = frozenset(),
 ) -> Hit:
-    """vLLM's answer: the engine's coordinator over a BlockPool caching ``stored``."""
+    """vLLM's answer: the engine's coordinator over a BlockPool caching ``stored``.
+
+    ``eagle_groups``: groups flagged ``is_eagle_group`` (none: vLLM treats all as such).
+    """
     num_blocks = sum(len(s) for s in stored) + 2
     config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec(layer_names=list(g.layer_names), kv_cache_spec=vllm_spec(g))
-            for g in groups
+            KVCacheGroupSpec(
+                layer_names=list(g.layer_names),
+                kv_cache_spec=vllm_spec(g),
+                is_eagle_group=i in eagle_groups,
+            )
+            for i, g in enumerate(groups)
         ],
     )
     coordinator = get_kv_cache_coordinator(
@@ -217,6 +225,63 @@ def test_gemma_and_qwen_like_layouts_at_scale() -> None:
             assert got == expected
             hits.append(got.num_tokens)
     assert sum(t > 1024 for t in hits) >= 4, hits  # long hits, not only trivial ones
+
+
+@pytest.mark.parametrize(("num_groups", "expected"), [(1, 64), (2, 80), (3, 80)])
+def test_eagle_with_identical_full_groups_matches_vllm(num_groups: int, expected: int) -> None:
+    """Full groups of one spec, block 16, a 96-token request, every block stored.
+
+    vLLM's hybrid coordinator (2+ groups) looks one block past the bound before
+    dropping one (80 tokens); its single-group coordinator does not (64)."""
+    groups = [full(16, name=f"f{i}") for i in range(num_groups)]
+    stored = [set(range(6)) for _ in groups]
+    want = vllm_hit(groups, stored, 95, 16, 16, use_eagle=True)
+    got = find_longest_hit(groups, 95, lambda g, ids: [i in stored[g] for i in ids], use_eagle=True)
+    assert got == want and got.num_tokens == expected
+    assert got.blocks_to_load == tuple(tuple(range(expected // 16)) for _ in groups)
+
+
+def eagle_layout(rng: random.Random) -> list[KVGroup]:
+    """Several groups, often of one spec: full attention copies, windows, states."""
+    bs = rng.choice([1, 2, 4, 8, 16])
+    groups = [full(bs, name="f0")]
+    for i in range(rng.randint(1, 3)):
+        roll = rng.random()
+        if roll < 0.5:
+            groups.append(full(bs, name=f"f{i + 1}"))  # the same spec as f0
+        elif roll < 0.8:
+            groups.append(swa(bs * rng.choice([1, 2]), rng.randint(1, 4 * bs), name=f"s{i}"))
+        else:
+            groups.append(mamba(bs * rng.choice([1, 2]), name=f"m{i}"))
+    rng.shuffle(groups)
+    return groups
+
+
+def test_eagle_drops_where_vllm_drops_with_any_groups_flagged() -> None:
+    """EAGLE/MTP flag the groups of draft layers (or none: then every group drops);
+    request lengths on block multiples are where one-group and hybrid rules part."""
+    rng = random.Random(0xEA61E)
+    seen = {"flagged some": 0, "flagged none": 0, "on a multiple": 0, "hits": 0}
+    for _ in range(3000):
+        groups = eagle_layout(rng)
+        align = math.lcm(*(g.block_size for g in groups))
+        request = align * rng.randint(1, 12) + (0 if rng.random() < 0.6 else rng.randint(1, 5))
+        stored = random_stores(rng, groups, request, STORE_STYLES)
+        flagged = frozenset(i for i in range(len(groups)) if rng.random() < 0.4)
+        hbs = hash_block_size_for(rng, groups)
+        want = vllm_hit(groups, stored, request - 1, align, hbs, True, flagged)
+        got = find_longest_hit(
+            groups,
+            request - 1,
+            lambda g, ids: [i in stored[g] for i in ids],  # noqa: B023
+            use_eagle=True,
+            eagle_group_ids=flagged or None,
+        )
+        assert got == want, (groups, stored, request, sorted(flagged), hbs)
+        seen["flagged some" if flagged else "flagged none"] += 1
+        seen["on a multiple"] += request % align == 0
+        seen["hits"] += got.num_tokens > 0
+    assert min(seen.values()) > 300, seen
 
 
 def test_layouts_we_reject_are_ones_vllm_rejects() -> None:

@@ -54,6 +54,11 @@ CATALOG: tuple[Metric, ...] = (
         "Loads the engine asked for but the connector could not plan (recomputed)",
     ),
     Metric("loads", MetricType.COUNTER, "Finished loads per rank, by outcome", ("outcome",)),
+    Metric(
+        "load_store_waits",
+        MetricType.COUNTER,
+        "Load parts that waited for the store of their blocks (read-your-writes)",
+    ),
     Metric("load_seconds", MetricType.HISTOGRAM, "Seconds from a load's start to its last block"),
     Metric("loaded_blocks", MetricType.COUNTER, "Blocks loaded into the KV cache", _GROUP),
     Metric("loaded_bytes", MetricType.COUNTER, "Bytes loaded into the KV cache", _GROUP),
@@ -130,6 +135,7 @@ def worker_samples(
 ) -> Iterator[Sample]:
     for outcome in LoadOutcome:
         yield Sample("loads", (outcome.value,), stats.loads[outcome])
+    yield Sample("load_store_waits", (), stats.load_store_waits)
     for group_id, (group, counts) in enumerate(zip(layout.groups, stats.groups, strict=True)):
         labels = (str(group_id), group.kind.value)
         for name in (

@@ -42,6 +42,8 @@ class WorkerStats:
     loads: dict[LoadOutcome, int] = field(default_factory=lambda: dict.fromkeys(LoadOutcome, 0))
     """Finished loads by outcome."""
     load_seconds_sum: float = 0.0
+    load_store_waits: int = 0
+    """Load parts that waited for the store of their blocks (read-your-writes)."""
     unexported_load_seconds: list[float] = field(default_factory=list)
     """Durations of finished loads not yet taken by a metrics exporter (bounded)."""
     groups: list[GroupCounts] = field(default_factory=list)

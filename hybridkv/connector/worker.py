@@ -55,12 +55,13 @@ JOB_SHARE = 4
 """A job takes at most 1/JOB_SHARE of the staging arena, so several fit at once."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Part:
     """One transfer job's blocks of one group, with the names the scheduler gave them."""
 
     part: TransferPart
     refs: tuple[BlockRef, ...]
+    waited_for_store: bool = False
 
 
 @dataclass(kw_only=True)
@@ -236,7 +237,11 @@ class ConnectorWorker:
             waiting = load.parts[0]
             part = waiting.part
             if any(key in self._storing for key in part.keys):
-                return  # read-your-writes: load once the store of these blocks is done
+                # Read-your-writes: load once the store of these blocks is done.
+                if not waiting.waited_for_store:
+                    waiting.waited_for_store = True
+                    self.stats.load_store_waits += 1
+                return
             deadline = load.started + (self.transfer_config.load_timeout_s or float("inf"))
             job_id = engine.submit_load((part,), timeout_s=max(deadline - now, 1e-3))
             if job_id is None:

@@ -2,8 +2,12 @@
 
 Usage: ``python -m tests.e2e.driver PLAN.json RESULTS.jsonl``. The plan lists
 engines, created one after another in this process (in-process engine core,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``), each with steps: ``groups``,
-``generate``, ``reset``, ``zero_group``, ``integrity``, ``corrupt_files``. Every step
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``engine_kwargs`` override the tiny
+model's engine settings), each with steps: ``groups``, ``generate``,
+``next_turn`` (prompts that continue an earlier step's conversations, in this
+or an earlier engine), ``reset``, ``zero_group``, ``integrity``,
+``valkey_command`` (one command to a valkey-server on loopback); between
+engines, ``corrupt_files`` and ``swap_dirs``. Every step
 appends one JSON line to RESULTS (outputs, cached tokens, metric deltas,
 connector stats, seconds), so a crash still leaves the steps before it. The
 tests assert on the records; this script asserts nothing.
@@ -30,13 +34,22 @@ TOP_LOGPROBS = 5
 
 
 def make_llm(engine: dict[str, Any]) -> Any:
+    """The engine of a plan entry: on the tiny model ``engine["kind"]``, or on the real
+    model's shape ``engine["shape"]`` (a ``ShapeKind`` value) when given."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    model = build_tiny_model(
-        TinyModelKind(engine["kind"]), Path(engine["model_dir"]), seed=engine.get("seed", 0)
-    )
-    kwargs = model.engine_kwargs()
+    from hybridkv.tools.models import ShapeKind, build_shape_model
+
+    model_dir, seed = Path(engine["model_dir"]), engine.get("seed", 0)
+    if "shape" in engine:
+        shape = build_shape_model(ShapeKind(engine["shape"]), model_dir, seed=seed)
+        # Prompts are ids: the tokenizer beside a shape knows 512 of its 32768 ids.
+        kwargs = {**shape.engine_kwargs(), "skip_tokenizer_init": True}
+    else:
+        tiny = build_tiny_model(TinyModelKind(engine["kind"]), model_dir, seed=seed)
+        kwargs = tiny.engine_kwargs()
+    kwargs.update(engine.get("engine_kwargs", {}))
     kwargs["disable_log_stats"] = False
     extra = engine.get("connector")
     if extra is not None:
@@ -71,6 +84,7 @@ def generate(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
         "top_logprobs": [_top_logprobs(o.outputs[0].logprobs) for o in outputs],
         "num_prompt_tokens": [len(o.prompt_token_ids or []) for o in outputs],
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outputs],
+        "prompts": [list(o.prompt_token_ids or []) for o in outputs],
         "metrics": engine_tools.metric_delta(metrics_before, engine_tools.metric_totals(llm)),
         "connector": engine_tools.stats_delta(stats_before, engine_tools.connector_stats(llm)),
         "seconds": seconds,
@@ -82,8 +96,22 @@ def _top_logprobs(positions: Any) -> list[dict[str, float]]:
     return [{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in positions or []]
 
 
-def run_step(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
+def next_turn(step: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
+    """A ``generate`` step whose prompts continue a conversation: each prompt of the
+    earlier turn, then what the engine answered to it, then the new question."""
+    prompts = [
+        [*prompt, *answer, *question]
+        for prompt, answer, question in zip(
+            earlier["prompts"], earlier["output_token_ids"], step["questions"], strict=True
+        )
+    ]
+    return {**step, "op": "generate", "prompts": prompts}
+
+
+def run_step(llm: Any, step: dict[str, Any], done: dict[str, dict[str, Any]]) -> dict[str, Any]:
     op = step["op"]
+    if op == "next_turn":
+        return generate(llm, next_turn(step, done[step["after"]]))
     if op == "groups":
         return engine_tools.kv_cache_facts(llm)
     if op == "generate":
@@ -92,14 +120,38 @@ def run_step(llm: Any, step: dict[str, Any]) -> dict[str, Any]:
         ok = llm.reset_prefix_cache()
         return {"reset_ok": bool(ok), "wiped_bytes": engine_tools.wipe_kv_cache(llm)}
     if op == "integrity":  # after the write-backs, so nothing is in flight
-        settled = engine_tools.settle_connector()
-        return {**settled, "integrity": engine_tools.check_connector_integrity()}
+        settled = engine_tools.settle_connector(llm)
+        return {**settled, "integrity": engine_tools.check_connector_integrity(llm)}
+    if op == "valkey_command":
+        return {"reply": valkey_command(step["port"], step["args"])}
     if op == "zero_group":
         return {"num_blocks_zeroed": engine_tools.zero_cached_blocks(llm, step["group_id"])}
     raise ValueError(f"unknown engine step op {op!r}")
 
 
+def valkey_command(port: int, args: list[str]) -> str:
+    """Send one command to the valkey-server on 127.0.0.1:``port``; its first reply line."""
+    import socket
+
+    request = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(request.encode())
+        return conn.recv(4096).decode().split("\r\n", 1)[0]
+
+
+def swap_dirs(spec: dict[str, Any]) -> dict[str, Any]:
+    """Exchange two directories (two tensor-parallel ranks' disk tiers, say)."""
+    a, b = Path(spec["a"]), Path(spec["b"])
+    parked = a.with_name(a.name + ".swap")
+    a.rename(parked)
+    b.rename(a)
+    parked.rename(b)
+    return {"swapped": [str(a), str(b)]}
+
+
 def run_plan(plan: dict[str, Any], results_path: Path) -> None:
+    done: dict[str, dict[str, Any]] = {}
+    """Labelled steps of every engine so far (a later engine may continue them)."""
     with results_path.open("a") as results:
 
         def record(entry: dict[str, Any]) -> None:
@@ -110,6 +162,9 @@ def run_plan(plan: dict[str, Any], results_path: Path) -> None:
             if engine.get("op") == "corrupt_files":
                 record({"engine": None, "op": "corrupt_files", **corrupt_files(engine)})
                 continue
+            if engine.get("op") == "swap_dirs":
+                record({"engine": None, "op": "swap_dirs", **swap_dirs(engine)})
+                continue
             start = time.perf_counter()
             llm = make_llm(engine)
             record(
@@ -117,7 +172,10 @@ def run_plan(plan: dict[str, Any], results_path: Path) -> None:
             )
             for step in engine["steps"]:
                 entry = {"engine": engine["label"], "op": step["op"], "label": step.get("label")}
-                record({**entry, **run_step(llm, step)})
+                result = run_step(llm, step, done)
+                if step.get("label"):
+                    done[step["label"]] = {**step, **result}
+                record({**entry, **result})
             start = time.perf_counter()
             llm.llm_engine.engine_core.shutdown()
             del llm

@@ -1,15 +1,15 @@
 """Reach into an in-process vLLM 0.32 engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
 Test-only helpers used by ``tests.e2e.driver``: read the KV cache groups vLLM
-made, wipe or zero KV blocks (so a warm run can only be right if the loaded
-bytes are right), and read vLLM's Prometheus counters. They touch vLLM
-internals on purpose; a vLLM upgrade that moves them breaks these tests
-loudly, never silently.
+made, wipe or zero KV blocks in every worker (so a warm run can only be right
+if the loaded bytes are right; workers are reached through ``collective_rpc``,
+so tensor-parallel ranks in their own processes are too), and read vLLM's
+Prometheus counters. They touch vLLM internals on purpose; a vLLM upgrade that
+moves them breaks these tests loudly, never silently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,10 +23,6 @@ def engine_core(llm: Any) -> Any:
             "engine core is in another process; set VLLM_ENABLE_V1_MULTIPROCESSING=0"
         )
     return core
-
-
-def model_runner(llm: Any) -> Any:
-    return engine_core(llm).model_executor.driver_worker.worker.model_runner
 
 
 def kv_cache_config(llm: Any) -> Any:
@@ -77,26 +73,32 @@ def kv_cache_groups(llm: Any) -> list[dict[str, Any]]:
     return groups
 
 
-def _layer_tensors(llm: Any, layer_name: str) -> list[torch.Tensor]:
-    context = model_runner(llm).compilation_config.static_forward_context
+def _layer_tensors(worker: Any, layer_name: str) -> list[torch.Tensor]:
+    context = worker.model_runner.compilation_config.static_forward_context
     kv_cache = context[layer_name].kv_cache
     tensors = list(kv_cache) if isinstance(kv_cache, (list, tuple)) else [kv_cache]
     return [t for t in tensors if isinstance(t, torch.Tensor) and t.numel() > 0]
 
 
-def _all_kv_tensors(llm: Any) -> Iterator[torch.Tensor]:
-    for group in kv_cache_config(llm).kv_cache_groups:
-        for layer_name in group.layer_names:
-            yield from _layer_tensors(llm, layer_name)
+def _zero_blocks_on_worker(worker: Any, layer_names: list[str], block_ids: list[int] | None) -> int:
+    """In a worker: zero ``block_ids`` (or everything) of ``layer_names``; bytes zeroed."""
+    num_bytes = 0
+    index = None if block_ids is None else torch.tensor(block_ids, dtype=torch.long)
+    for layer_name in layer_names:
+        for tensor in _layer_tensors(worker, layer_name):
+            if index is None:
+                tensor.zero_()
+                num_bytes += tensor.numel() * tensor.element_size()
+            else:
+                tensor.index_fill_(0, index, 0)
+    return num_bytes
 
 
 def wipe_kv_cache(llm: Any) -> int:
-    """Zero every KV block of every layer; returns the bytes zeroed (views may overlap)."""
-    num_bytes = 0
-    for tensor in _all_kv_tensors(llm):
-        tensor.zero_()
-        num_bytes += tensor.numel() * tensor.element_size()
-    return num_bytes
+    """Zero every KV block of every layer in every worker; returns the bytes zeroed
+    (summed over ranks; views may overlap)."""
+    layer_names = [n for g in kv_cache_config(llm).kv_cache_groups for n in g.layer_names]
+    return sum(llm.collective_rpc(_zero_blocks_on_worker, args=(layer_names, None)))
 
 
 def cached_block_ids(llm: Any, group_id: int) -> list[int]:
@@ -121,11 +123,8 @@ def zero_cached_blocks(llm: Any, group_id: int) -> int:
     block_ids = cached_block_ids(llm, group_id)
     if not block_ids:
         return 0
-    index = torch.tensor(block_ids, dtype=torch.long)
-    group = kv_cache_config(llm).kv_cache_groups[group_id]
-    for layer_name in group.layer_names:
-        for tensor in _layer_tensors(llm, layer_name):
-            tensor.index_fill_(0, index, 0)
+    layer_names = list(kv_cache_config(llm).kv_cache_groups[group_id].layer_names)
+    llm.collective_rpc(_zero_blocks_on_worker, args=(layer_names, block_ids))
     return len(block_ids)
 
 
@@ -194,12 +193,8 @@ def _worker_connector() -> Any | None:
     return get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
-def settle_connector(timeout_s: float = 60.0) -> dict[str, Any]:
-    """Wait for the worker connector's write-backs; then its counters since it started.
-
-    Metric snapshots taken right after ``generate`` may miss write-backs still
-    running (they reach the metrics with a later engine step); these do not.
-    """
+def _settle_on_worker(worker: Any, timeout_s: float) -> dict[str, Any]:
+    del worker
     connector = _worker_connector()
     if connector is None:
         return {}
@@ -207,8 +202,25 @@ def settle_connector(timeout_s: float = 60.0) -> dict[str, Any]:
     return {"flushed": flushed, "counters": connector.counters()}
 
 
-def check_connector_integrity() -> str:
-    """Run the worker connector's ``check_integrity()``: "ok" or what failed."""
+def settle_connector(llm: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Wait for every worker connector's write-backs; then their counters since they
+    started, summed over ranks.
+
+    Metric snapshots taken right after ``generate`` may miss write-backs still
+    running (they reach the metrics with a later engine step); these do not.
+    """
+    ranks = [r for r in llm.collective_rpc(_settle_on_worker, args=(timeout_s,)) if r]
+    if not ranks:
+        return {}
+    counters: dict[str, float] = {}
+    for rank in ranks:
+        for key, value in rank["counters"].items():
+            counters[key] = counters.get(key, 0.0) + value
+    return {"flushed": all(r["flushed"] for r in ranks), "counters": counters}
+
+
+def _integrity_on_worker(worker: Any) -> str:
+    del worker
     connector = _worker_connector()
     if connector is None:
         return "no connector in this process"
@@ -220,3 +232,11 @@ def check_connector_integrity() -> str:
     except AssertionError as exc:
         return f"integrity check failed: {exc!r}"
     return "ok"
+
+
+def check_connector_integrity(llm: Any) -> str:
+    """Run every worker connector's ``check_integrity()``: "ok" or what failed, by rank."""
+    results = list(llm.collective_rpc(_integrity_on_worker))
+    if all(r == "ok" for r in results):
+        return "ok"
+    return "; ".join(f"rank {rank}: {r}" for rank, r in enumerate(results) if r != "ok")

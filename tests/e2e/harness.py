@@ -72,7 +72,10 @@ class Harness:
     def cache_dir(self, name: str) -> Path:
         return self.work_dir / "cache" / name
 
-    def run(self, name: str, engines: list[dict[str, Any]]) -> PlanRun:
+    def run(
+        self, name: str, engines: list[dict[str, Any]], env: dict[str, str] | None = None
+    ) -> PlanRun:
+        """Run ``engines`` in one driver process (once per name); ``env`` adds variables."""
         if name in self._runs:
             return self._runs[name]
         plan_path = self.work_dir / f"{name}.plan.json"
@@ -80,11 +83,13 @@ class Harness:
         log_path = self.work_dir / f"{name}.log"
         plan_path.write_text(json.dumps({"engines": engines}))
         results_path.unlink(missing_ok=True)
+        extra = env or {}
         env = dict(os.environ)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["HYBRIDKV_CACHE_DIR"] = str(self.cache_dir(f"{name}-default"))
         env["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.update(extra)
         start = time.perf_counter()
         with log_path.open("w") as log:
             try:

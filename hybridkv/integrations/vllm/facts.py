@@ -50,17 +50,12 @@ def _group_problems(group_id: int, group: Any, mamba_mode: str | None) -> list[s
         problems.append(f"{where}: spec {name} is not supported; supported specs: {allowed}")
     if isinstance(spec, SlidingWindowMLASpec) and spec.bounded_replay:
         problems.append(f"{where}: bounded-replay sliding windows are not supported")
-    if isinstance(spec, MambaSpec):
-        if spec.mamba_cache_mode != "align":
-            problems.append(
-                f"{where}: Mamba cache mode is {spec.mamba_cache_mode!r}; hybridkv needs "
-                "'align' (enable prefix caching, or pass --mamba-cache-mode align)"
-            )
-        if spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks:
-            problems.append(
-                f"{where}: Mamba groups with speculative or checkpoint blocks (speculative "
-                "decoding) are not supported; disable speculative decoding"
-            )
+    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "align":
+        problems.append(
+            f"{where}: Mamba cache mode is {spec.mamba_cache_mode!r}; hybridkv needs "
+            "'align': enable prefix caching (with it off vLLM uses 'none' whatever "
+            f"--mamba-cache-mode says; engine setting: {mamba_mode!r})"
+        )
     if getattr(group, "host_resident", False) or not getattr(group, "enable_kv_transfer", True):
         problems.append(f"{where}: host-resident or non-transferable groups are not supported")
     return problems
@@ -89,10 +84,15 @@ def check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
         problems.append(
             f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported; use 1"
         )
-    if getattr(vllm_config, "speculative_config", None) is not None and any(
-        isinstance(g.kv_cache_spec, MambaSpec) for g in groups
+    mamba_specs = [g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    if mamba_specs and (
+        getattr(vllm_config, "speculative_config", None) is not None
+        or any(s.num_speculative_blocks or s.num_prefill_checkpoint_blocks for s in mamba_specs)
     ):
-        problems.append("speculative decoding with Mamba groups is not supported")
+        problems.append(
+            "speculative decoding with Mamba groups is not supported (a state that "
+            "rejected draft tokens moved cannot be stored per block); disable it"
+        )
     if problems:
         raise ValueError(
             "hybridkv cannot serve this engine:\n" + "\n".join(f"  - {p}" for p in problems)
