@@ -24,6 +24,7 @@ from hybridkv.tiers.selection import Selection
 
 DEFAULT_CPU_CAPACITY_BYTES = 2 << 30
 DEFAULT_DISK_CAPACITY_BYTES = 32 << 30
+DEFAULT_SWITCH_INTERVAL_S = 0.0005
 DISK_SUBDIR = "kv"
 """The default disk tier lives in ``<cache_dir>/kv``."""
 WHERE = "kv_connector_extra_config"
@@ -86,6 +87,18 @@ class ConnectorConfig:
         Field(min_length=1, description="keeps this model's keys apart; null: the engine's model"),
     ] = None
     hash_algo: Annotated[HashAlgo, Field(description="block hash")] = HashAlgo.XXH3_128
+    thread_switch_interval_s: Annotated[
+        Number | None,
+        Field(
+            gt=0,
+            allow_inf_nan=False,
+            description=(
+                "lowers Python's thread switch interval in worker processes to this: "
+                "transfer and I/O threads then wait at most this for the interpreter while "
+                "the engine's loop runs; null: leave Python's (5 ms)"
+            ),
+        ),
+    ] = DEFAULT_SWITCH_INTERVAL_S
 
     def __post_init__(self) -> None:
         if self.tiers is not None and not self.tiers:

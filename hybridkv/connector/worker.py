@@ -13,6 +13,7 @@ the background; a store that cannot be queued is dropped and reported.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -350,10 +351,31 @@ def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -
     if not 0 <= tp_rank < facts.tp_size:
         raise ValueError(f"tp_rank={tp_rank} is not a rank of tensor_parallel_size={facts.tp_size}")
     store = build_store(config.for_rank(tp_rank, facts.tp_size), config)
+    lower_switch_interval(config.thread_switch_interval_s)
     return ConnectorWorker(
         facts.layout,
         store,
         tp_rank=tp_rank,
         tp_size=facts.tp_size,
         transfer_config=TransferConfig(load_timeout_s=config.load_timeout_s),
+    )
+
+
+def lower_switch_interval(interval_s: float | None) -> None:
+    """Lower the interpreter's thread switch interval to ``interval_s`` (None: leave it).
+
+    The engine's loop holds the interpreter lock while it runs; each time a transfer
+    or I/O thread comes back from a copy or a read it waits for the lock, up to one
+    switch interval. A load is hundreds of such returns, so Python's 5 ms default
+    adds up to hundreds of milliseconds per hit.
+    """
+    current = sys.getswitchinterval()
+    if interval_s is None or interval_s >= current:
+        return
+    sys.setswitchinterval(interval_s)
+    logger.info(
+        "hybridkv lowered Python's thread switch interval from %.2f ms to %.2f ms "
+        "(thread_switch_interval_s) so transfer threads are not starved",
+        current * 1e3,
+        interval_s * 1e3,
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,8 +12,10 @@ import pytest
 from hybridkv.connector.config import (
     DEFAULT_CPU_CAPACITY_BYTES,
     DEFAULT_DISK_CAPACITY_BYTES,
+    DEFAULT_SWITCH_INTERVAL_S,
     ConnectorConfig,
 )
+from hybridkv.connector.worker import lower_switch_interval
 from hybridkv.keys import HashAlgo
 from hybridkv.paths import default_cache_dir
 from hybridkv.schema import ConfigError
@@ -149,3 +153,27 @@ def test_configs_are_frozen_and_replace_validates(tmp_path: Path) -> None:
         config.load_timeout_s = 1.0  # type: ignore[misc]
     with pytest.raises(ValueError, match="greater than 0"):
         dataclasses.replace(config, load_timeout_s=0)
+
+
+@pytest.fixture
+def switch_interval() -> Iterator[float]:
+    before = sys.getswitchinterval()
+    yield before
+    sys.setswitchinterval(before)
+
+
+def test_the_switch_interval_is_only_ever_lowered(switch_interval: float) -> None:
+    config = ConnectorConfig.from_dict({})
+    assert config.thread_switch_interval_s == DEFAULT_SWITCH_INTERVAL_S
+    sys.setswitchinterval(0.005)
+    lower_switch_interval(config.thread_switch_interval_s)
+    assert sys.getswitchinterval() == pytest.approx(DEFAULT_SWITCH_INTERVAL_S)
+    lower_switch_interval(0.002)  # higher than now: kept
+    assert sys.getswitchinterval() == pytest.approx(DEFAULT_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(0.005)
+    lower_switch_interval(
+        ConnectorConfig.from_dict({"thread_switch_interval_s": None}).thread_switch_interval_s
+    )
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    with pytest.raises(ConfigError, match="thread_switch_interval_s"):
+        ConnectorConfig.from_dict({"thread_switch_interval_s": 0})
