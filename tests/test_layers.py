@@ -115,6 +115,9 @@ def test_modules_stay_small() -> None:
         ("hybridkv.tiers.registry", "mooncake"),
         ("hybridkv.tiers.registry", "redis"),
         ("hybridkv.cli", "vllm"),
+        ("hybridkv.cli.bench", "vllm"),
+        ("hybridkv.cli.bench", "matplotlib"),
+        ("hybridkv.cli.bench", "aiohttp"),
     ],
 )
 def test_light_imports_stay_light(module: str, heavy: str) -> None:

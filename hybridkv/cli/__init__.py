@@ -18,7 +18,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "hybridkv.cli.inspect",
         "show a model's KV groups and what a hybrid-aware load moves",
     ),
-    "demo": ("hybridkv.cli.demo", "run a tiny hybrid model cold, warm and after a restart"),
+    "demo": (
+        "hybridkv.cli.demo",
+        "time to first token of a Gemma 3 270M-shaped model: cold, from the tiers, after a restart",
+    ),
+    "bench": (
+        "hybridkv.cli.bench",
+        "replay a serving workload on vLLM, alone and with hybridkv's tiers",
+    ),
     "pool": ("hybridkv.cli.pool", "start or stop a local Mooncake pool on loopback"),
     "config": ("hybridkv.cli.config", "list every configuration key, or check a config"),
 }

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hybridkv.cli.tables import format_bytes
 from hybridkv.hits import find_longest_hit
 from hybridkv.spec import KVLayoutSpec
 from hybridkv.spec.presets import PRESETS, load_layout
@@ -119,14 +120,6 @@ def compute_report(
 
 def _everything(group_id: int, block_ids: Sequence[int]) -> list[bool]:
     return [True] * len(block_ids)
-
-
-def format_bytes(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(num_bytes) < 1024 or unit == "GiB":
-            return f"{num_bytes:.0f} B" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    raise AssertionError("unreachable")
 
 
 def render_text(report: InspectReport) -> str:

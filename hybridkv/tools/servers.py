@@ -158,6 +158,15 @@ def wait_until(ready: Callable[[], bool], timeout_s: float) -> bool:
         time.sleep(_POLL_S)
 
 
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether a GET of ``url`` answers 200 (a server's health check)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
 def read_metrics(metrics_port: int) -> dict[str, float] | None:
     """The master's Prometheus metrics (labelled series keep their labels), or None."""
     try:

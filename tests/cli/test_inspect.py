@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.cli import main
-from hybridkv.cli.inspect import compute_report, format_bytes
+from hybridkv.cli.inspect import compute_report
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.spec.presets import deepseek_v4_flash, gemma3_27b, qwen3_next_80b_a3b
 
@@ -119,12 +119,6 @@ def test_report_matches_brute_force(layout: KVLayoutSpec, hit_tokens: int) -> No
         blind += load.blind_bytes
     assert (report.hybrid_bytes, report.blind_bytes) == (hybrid, blind)
     assert report.ratio == hybrid / blind
-
-
-def test_format_bytes() -> None:
-    assert format_bytes(512) == "512 B"
-    assert format_bytes(3_120_562_176) == "2.9 GiB"
-    assert format_bytes(3 * 1024 * 1024) == "3.0 MiB"
 
 
 # ---------------------------------------------------------------- the command line

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from hybridkv.tools.models import TinyModel, TinyModelKind, default_prompt_token_ids
-from hybridkv.tools.servers import free_port
+from hybridkv.tools.servers import free_port, http_ok
 from tests.e2e.harness import REPO_ROOT, Harness
 
 pytestmark = pytest.mark.slow
@@ -67,17 +67,10 @@ class Server:
             args, cwd=REPO_ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
         )
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._healthy():
+        while not http_ok(f"{self.url}/health"):
             assert self.proc.poll() is None, f"server exited: {self.log_tail()}"
             assert time.monotonic() < deadline, f"server not healthy: {self.log_tail()}"
             time.sleep(0.5)
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                return bool(response.status == 200)
-        except OSError:
-            return False
 
     @property
     def url(self) -> str:

@@ -1,0 +1,237 @@
+"""Serving workloads for ``hybridkv bench``: who sends which prompt, in which order.
+
+CLI process; pure data. A workload is a set of clients running at once; each
+client sends its requests one after another, each after a think time, and a
+request is a prefix (a document) and a question, or (in a conversation) the
+client's history followed by a question. Prompts are token ids drawn from a
+seeded generator, so every run of a preset sends the same tokens.
+
+* ``long-doc-qa``: D documents of L tokens, each asked Q questions, in random
+  or interleaved order, spread over C clients.
+* ``multi-turn``: C clients x R rounds; each round sends the whole
+  conversation (earlier prompts and the engine's answers) and a new question.
+* ``restart``: D documents asked once each, four times: cold, on the engine's
+  own prefix cache, on hybridkv's tiers after the engine's cache is reset,
+  and on a restarted engine.
+* ``shared``: two engines; each document is asked Q times on engine 0, then Q
+  times on engine 1, which can only hit it through a shared pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.tools.models import default_prompt_token_ids
+
+
+class WorkloadKind(enum.Enum):
+    LONG_DOC_QA = "long-doc-qa"
+    MULTI_TURN = "multi-turn"
+    RESTART = "restart"
+    SHARED = "shared"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    prefix: tuple[int, ...]
+    """A document; empty in a conversation's later rounds (the history comes first)."""
+    question: tuple[int, ...]
+    max_tokens: int
+    with_history: bool = False
+    """Send the client's earlier prompts and answers first (a conversation)."""
+    engine: int = 0
+    """Which engine serves it (the shared workload has two)."""
+    think_s: float = 0.0
+    """Pause before sending it, after the client's previous answer."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Client:
+    requests: tuple[Request, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadParams:
+    """Every knob of every workload (each uses those its docstring names), and the
+    engine's KV cache memory, which sets how much of the workload it can keep."""
+
+    documents: int = 4
+    document_tokens: int = 2048
+    questions: int = 3
+    question_tokens: int = 32
+    answer_tokens: int = 16
+    clients: int = 2
+    rounds: int = 4
+    think_s: float = 0.2
+    order: str = "random"
+    """long-doc-qa: 'random' or 'interleaved' (doc 0 q0, doc 1 q0, ..., doc 0 q1, ...)."""
+    seed: int = 0
+    kv_cache_mib: int = 256
+    """The engine's KV cache memory (``kv_cache_memory_bytes``), MiB."""
+    max_num_batched_tokens: int = 512
+    """Prefill chunk; small enough that a sliding-window group needs few blocks."""
+
+    def replace(self, overrides: dict[str, str]) -> WorkloadParams:
+        """These params with ``name=value`` strings applied (ValueError names bad ones)."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        changes: dict[str, Any] = {}
+        for name, text in overrides.items():
+            if name not in fields:
+                raise ValueError(f"--param {name}: unknown; known: {sorted(fields)}")
+            kind = type(getattr(self, name))
+            try:
+                changes[name] = kind(text)
+            except ValueError:
+                raise ValueError(f"--param {name}={text!r}: not a {kind.__name__}") from None
+        params = dataclasses.replace(self, **changes)
+        params.check()
+        return params
+
+    def check(self) -> None:
+        problems = [
+            f"{name}={getattr(self, name)} must be >= 1"
+            for name in (
+                "documents", "document_tokens", "questions", "question_tokens",
+                "answer_tokens", "clients", "rounds", "kv_cache_mib", "max_num_batched_tokens",
+            )
+            if getattr(self, name) < 1
+        ]  # fmt: skip
+        if self.think_s < 0:
+            problems.append(f"think_s={self.think_s} must be >= 0")
+        if self.order not in ("random", "interleaved"):
+            problems.append(f"order={self.order!r} must be 'random' or 'interleaved'")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+PRESETS: dict[WorkloadKind, WorkloadParams] = {
+    # 4 x 2048 tokens of documents: 3.6 times a 40 MiB KV cache on Gemma 3 270M.
+    WorkloadKind.LONG_DOC_QA: WorkloadParams(
+        documents=4, document_tokens=2048, questions=3, clients=2, kv_cache_mib=40
+    ),
+    # 6 conversations of up to 1408 tokens: 4.1 times a 36 MiB KV cache on Gemma 3 270M.
+    WorkloadKind.MULTI_TURN: WorkloadParams(
+        clients=6,
+        rounds=4,
+        document_tokens=1024,
+        question_tokens=64,
+        answer_tokens=32,
+        think_s=2.0,
+        kv_cache_mib=36,
+    ),
+    WorkloadKind.RESTART: WorkloadParams(documents=4, document_tokens=4096, questions=1),
+    WorkloadKind.SHARED: WorkloadParams(documents=3, document_tokens=2048, questions=2),
+}
+"""Presets that finish in a few minutes per setup on 2 cores with Gemma 3 270M's shape."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    kind: WorkloadKind
+    params: WorkloadParams
+    clients: tuple[Client, ...]
+    engines: int = 1
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(c.requests) for c in self.clients)
+
+    @property
+    def longest_sequence(self) -> int:
+        """Tokens of the longest prompt plus its answer (the engine's ``max_model_len``
+        must hold it)."""
+        longest = 0
+        for client in self.clients:
+            history = 0
+            for r in client.requests:
+                prompt = (history if r.with_history else 0) + len(r.prefix) + len(r.question)
+                history = prompt + r.max_tokens
+                longest = max(longest, history)
+        return longest
+
+    @property
+    def unique_prompt_tokens(self) -> int:
+        """Tokens whose KV the workload can reuse: every distinct document once, and
+        each conversation at its longest."""
+        documents = {r.prefix for c in self.clients for r in c.requests if r.prefix}
+        total = sum(len(d) for d in documents)
+        for client in self.clients:
+            if any(r.with_history for r in client.requests):
+                total += self._conversation_tokens(client) - len(client.requests[0].prefix)
+        return total
+
+    @staticmethod
+    def _conversation_tokens(client: Client) -> int:
+        history = 0
+        for r in client.requests:
+            history = (history if r.with_history else 0) + len(r.prefix) + len(r.question)
+            history += r.max_tokens
+        return history
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "params": dataclasses.asdict(self.params),
+            "clients": len(self.clients),
+            "requests": self.num_requests,
+            "engines": self.engines,
+        }
+
+
+def build_workload(kind: WorkloadKind, params: WorkloadParams, vocab_size: int) -> Workload:
+    params.check()
+    rng = random.Random(params.seed)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        seed = rng.randrange(1 << 30)
+        return tuple(default_prompt_token_ids(n, vocab_size=vocab_size, seed=seed))
+
+    if kind is WorkloadKind.MULTI_TURN:
+        clients = tuple(
+            Client(
+                requests=tuple(
+                    Request(
+                        prefix=tokens(params.document_tokens) if r == 0 else (),
+                        question=tokens(params.question_tokens),
+                        max_tokens=params.answer_tokens,
+                        with_history=r > 0,
+                        think_s=params.think_s if r > 0 else 0.0,
+                    )
+                    for r in range(params.rounds)
+                )
+            )
+            for _ in range(params.clients)
+        )
+        return Workload(kind=kind, params=params, clients=clients)
+    docs = [tokens(params.document_tokens) for _ in range(params.documents)]
+
+    def ask(d: int, engine: int = 0, think_s: float = 0.0) -> Request:
+        return Request(
+            prefix=docs[d],
+            question=tokens(params.question_tokens),
+            max_tokens=params.answer_tokens,
+            engine=engine,
+            think_s=think_s,
+        )
+
+    if kind is WorkloadKind.RESTART:
+        requests = tuple(ask(d) for d in range(len(docs)))
+        return Workload(kind=kind, params=params, clients=(Client(requests=requests),))
+    if kind is WorkloadKind.SHARED:
+        shared = tuple(
+            ask(d, engine) for d in range(len(docs)) for engine in (0, 1)
+            for _ in range(params.questions)
+        )  # fmt: skip
+        return Workload(kind=kind, params=params, clients=(Client(requests=shared),), engines=2)
+    asks = [d for _ in range(params.questions) for d in range(len(docs))]
+    if params.order == "random":
+        rng.shuffle(asks)
+    asked = [ask(d, think_s=params.think_s) for d in asks]
+    clients = tuple(
+        Client(requests=tuple(asked[c :: params.clients])) for c in range(params.clients)
+    )
+    return Workload(kind=kind, params=params, clients=tuple(c for c in clients if c.requests))
