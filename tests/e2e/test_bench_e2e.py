@@ -96,6 +96,7 @@ def test_restart_hits_each_source_in_turn_and_matches(harness: Harness) -> None:
     names = [t["name"] for t in document["targets"]]
     assert "cpu+disk: TTFT p50 after a restart / cold" in names
     assert "TTFT p50" in document["stdout"] and "hit device/host/disk/p2p" in document["stdout"]
+    assert f"cores, {document['machine']['memory_gib']} GiB" in document["stdout"]
 
 
 def test_restart_plots_are_pngs(harness: Harness) -> None:

