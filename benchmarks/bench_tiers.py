@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridkv.cli.bench import describe_machine, machine
 from hybridkv.tiers.base import Buffer, StoreKey, Tier
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskConfig, DiskTier, FsyncPolicy
@@ -164,6 +165,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+    print(describe_machine(machine()))
     print(
         f"{num_objects} objects x {args.object_kib} KiB = {total_bytes / 2**20:.0f} MiB, "
         f"fsync={fsync.value}, io threads={args.io_threads}, dir={args.dir}, "

@@ -7,10 +7,12 @@ buffers (numpy and torch; the faster is the limit), measured in the same run.
 Target: copier >= 85% of the limit. Prints a table; exits 0 unless it crashes.
 
 The caches come from ``allocate_kv_caches`` and the staging rows from a
-``StagingArena``; on CPU both take their memory from numpy, as the limit's
-buffers do, so all sides get transparent huge pages where the kernel allows
-(``madvise`` mode). Caches an engine allocates itself may not: vLLM's come
-from torch, which does not ask, and small scattered blocks then copy slower.
+``StagingArena`` that starts at the caches' offset within a page, as the
+transfer engine makes it (mismatched offsets cost 10-50% of a copy). On CPU
+both take their memory from numpy, as the limit's buffers do, so all sides
+get transparent huge pages where the kernel gives them (some virtual
+machines give none: then small blocks scattered over the cache miss the TLB
+and copy slower than one long memcpy).
 
     .venv/bin/python benchmarks/bench_transfer.py [--reps 15] [--quick] [--threads 1]
 """
@@ -27,9 +29,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from hybridkv.cli.bench import describe_machine, machine
 from hybridkv.layout import KVLayoutKind, allocate_kv_caches
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.transfer import BlockCopier, StagingArena
+from hybridkv.transfer.staging import PHASE_BYTES
 
 TARGET_RATIO = 0.85
 
@@ -101,15 +105,17 @@ def bench_case(
     block_bytes = spec.groups[group_id].block_bytes
     nbytes = num_copy * block_bytes
     memcpy = Memcpy(nbytes)
-    staging = StagingArena(nbytes).view(0, nbytes)
     block_ids = random.Random(0).sample(range(num_blocks), num_copy)
     for kind in KVLayoutKind:
         alloc = allocate_kv_caches(spec, num_blocks, kind=kind)
+        # As the transfer engine makes it: the caches' offset within a page.
+        phase = alloc.buffer.data_ptr() % PHASE_BYTES
+        staging = StagingArena(nbytes, address_phase=phase).view(0, nbytes)
         alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
         copier = BlockCopier(alloc.canonical)
         ops = {
-            "gather": lambda c=copier: c.gather(group_id, block_ids, staging),
-            "scatter": lambda c=copier: c.scatter(group_id, block_ids, staging),
+            "gather": lambda c=copier, s=staging: c.gather(group_id, block_ids, s),
+            "scatter": lambda c=copier, s=staging: c.scatter(group_id, block_ids, s),
         }
         for op, fn in ops.items():
             best, median, numpy_best = timed_pair(fn, memcpy.numpy_copy, reps)
@@ -174,6 +180,7 @@ def main() -> int:
         rows += bench_case(spec, num_blocks, num_copy, args.reps)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(describe_machine(machine()))
     print(
         f"torch threads: {torch.get_num_threads()}; load average {load} on {os.cpu_count()} "
         f"CPUs; best of {args.reps} interleaved runs (GB/s med: median)"

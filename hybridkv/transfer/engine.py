@@ -37,7 +37,7 @@ from hybridkv.transfer.jobs import (
     build_result,
     check_parts,
 )
-from hybridkv.transfer.staging import StagingArena
+from hybridkv.transfer.staging import PHASE_BYTES, StagingArena
 from hybridkv.transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,9 @@ class TransferEngine:
         pin = self.config.pin_memory
         if pin is None:
             pin = caches.device.type == "cuda"
-        self.arena = StagingArena(self.config.staging_bytes, pin_memory=pin)
+        # On CPU the staging rows share the caches' offset within a page (see staging).
+        phase = 0 if pin else caches.tensors[0].data_ptr() % PHASE_BYTES // 8 * 8
+        self.arena = StagingArena(self.config.staging_bytes, pin_memory=pin, address_phase=phase)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._jobs: dict[JobId, Job] = {}

@@ -5,6 +5,12 @@ page faults are slow on these machines), pinned when the KV cache is on CUDA,
 and handed out in aligned regions, first fit; freed regions merge with free
 neighbours, so a fully freed arena is one region again. Not thread-safe: the
 transfer engine calls it under its lock.
+
+The arena starts at the same address modulo a page as the KV caches
+(``address_phase``): a copy whose source and destination sit at different
+offsets within a cache line or page runs at 50-90% of one where they match
+(measured with ``np.take`` of 256 KiB blocks on an AMD EPYC Zen 4), so block
+rows that share the caches' phase copy at memcpy speed.
 """
 
 from __future__ import annotations
@@ -16,23 +22,33 @@ import numpy.typing as npt
 import torch
 
 STAGING_ALIGN_BYTES = 64
-"""Regions start on cache-line boundaries (wide-dtype copies need 8)."""
+"""Regions are multiples of this apart (wide-dtype copies need 8)."""
+PHASE_BYTES = 4096
+"""The arena's start, modulo this, is the caller's ``address_phase``."""
 
 
 class StagingArena:
-    def __init__(self, total_bytes: int, *, pin_memory: bool = False) -> None:
+    def __init__(
+        self, total_bytes: int, *, pin_memory: bool = False, address_phase: int = 0
+    ) -> None:
         if isinstance(total_bytes, bool) or not isinstance(total_bytes, int) or total_bytes <= 0:
             raise ValueError(f"staging total_bytes={total_bytes!r} must be an int > 0")
+        if address_phase % 8:
+            raise ValueError(f"staging address_phase={address_phase} must be a multiple of 8")
         align = STAGING_ALIGN_BYTES
         self.total_bytes = total_bytes - total_bytes % align
         if self.total_bytes == 0:
             raise ValueError(f"staging total_bytes={total_bytes} must be at least {align}")
         if pin_memory:
-            self._tensor = torch.empty(self.total_bytes + align, dtype=torch.uint8, pin_memory=True)
+            self._tensor = torch.empty(
+                self.total_bytes + PHASE_BYTES, dtype=torch.uint8, pin_memory=True
+            )
         else:  # numpy's allocator asks for transparent huge pages on big buffers
-            self._tensor = torch.from_numpy(np.empty(self.total_bytes + align, dtype=np.uint8))
+            self._tensor = torch.from_numpy(
+                np.empty(self.total_bytes + PHASE_BYTES, dtype=np.uint8)
+            )
         raw: npt.NDArray[np.uint8] = self._tensor.numpy()
-        shift = -raw.ctypes.data % align
+        shift = (address_phase - raw.ctypes.data) % PHASE_BYTES
         self.array: npt.NDArray[np.uint8] = raw[shift : shift + self.total_bytes]
         self.array.fill(0)  # first touch now, never on the hot path
         self.tensor = self._tensor[shift : shift + self.total_bytes]

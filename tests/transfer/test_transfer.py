@@ -40,7 +40,7 @@ from hybridkv.transfer import (
     TransferEngine,
     TransferPart,
 )
-from hybridkv.transfer.staging import STAGING_ALIGN_BYTES
+from hybridkv.transfer.staging import PHASE_BYTES, STAGING_ALIGN_BYTES
 from tests.support.kv_caches import VllmAllocate, qwen_next_like, real_vllm_allocator
 
 pytestmark = pytest.mark.timeout(120)
@@ -845,3 +845,33 @@ def test_staging_arena_matches_a_first_fit_model(ops: list[tuple[bool, int]]) ->
         arena.free(offset)
     arena.check_integrity()
     assert arena.free_bytes == arena.total_bytes
+
+
+@pytest.mark.parametrize("phase", [0, 16, 64, 2048, 4088])
+def test_staging_arena_starts_at_the_asked_phase_of_a_page(phase: int) -> None:
+    arena = StagingArena(64 << 10, address_phase=phase)
+    assert arena.array.ctypes.data % PHASE_BYTES == phase
+    assert arena.tensor.data_ptr() == arena.array.ctypes.data
+    assert arena.total_bytes == 64 << 10 and not arena.array.any()
+    with pytest.raises(ValueError, match="multiple of 8"):
+        StagingArena(64 << 10, address_phase=phase + 4)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_staging_shares_the_caches_phase_and_still_round_trips(
+    tier: MemoryTier, storage: str
+) -> None:
+    layout = ALL_KINDS
+    kv = build(layout, storage)
+    fill_random(kv, seed=5)
+    ids = pool_block_ids(layout, seed=6, per_group=3)
+    saved = snapshot(kv, layout, ids)
+    with make_engine(kv, layout, tier) as engine:
+        phase = engine.caches.tensors[0].data_ptr() % PHASE_BYTES
+        assert engine.arena.array.ctypes.data % PHASE_BYTES == phase // 8 * 8
+        assert run_job(engine, engine.submit_store(parts_for(ids))).ok
+        wipe(kv)
+        assert run_job(engine, engine.submit_load(parts_for(ids))).ok
+        for (name, b), want in saved.items():
+            assert same_bytes(kv[name][b], want), (name, b)
+        assert_idle(engine, tier)
