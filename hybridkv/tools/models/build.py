@@ -24,6 +24,8 @@ from hybridkv.spec import GroupKind
 MARKER = "hybridkv-model.json"
 VOCAB_SIZE = 512
 """The tokenizer's vocabulary (recipes with a larger vocabulary pass token ids)."""
+SPECIAL_TOKEN_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+"""The ids of the tokenizer's <pad>, <eos> and <bos>, for every recipe's config."""
 _LINEAR_WEIGHT_SCALE = 8.0
 """Scale of the linear-attention input projections. Random weights barely
 move the output; scaled up, a wrong recurrent state changes greedy tokens,

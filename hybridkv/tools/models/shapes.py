@@ -69,7 +69,13 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.spec import GroupKind
-from hybridkv.tools.models.build import GroupShape, LocalModel, Recipe, build_checkpoint
+from hybridkv.tools.models.build import (
+    SPECIAL_TOKEN_IDS,
+    GroupShape,
+    LocalModel,
+    Recipe,
+    build_checkpoint,
+)
 
 _BUILD_VERSION = 1
 VOCAB_SIZE = 32768
@@ -185,9 +191,7 @@ def _gemma3(layers: int, hidden: int, intermediate: int) -> _Shape:
         "layer_types": types,
         "max_position_embeddings": 32768,
         "rope_theta": 1_000_000.0,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
+        **SPECIAL_TOKEN_IDS,
     }
     return _Shape(
         recipe=Recipe(dtype="bfloat16", hf_config=config),
@@ -219,9 +223,7 @@ def _qwen3_next_small() -> _Shape:
         "shared_expert_intermediate_size": 512,
         "max_position_embeddings": 32768,
         "tie_word_embeddings": False,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
+        **SPECIAL_TOKEN_IDS,
     }
     return _Shape(
         # The CPU gated-delta-net kernels run in bfloat16 only.
@@ -249,9 +251,7 @@ def _gpt_oss_small() -> _Shape:
         # gpt-oss's own: its YaRN RoPE stretches 4096 positions 32 times.
         "max_position_embeddings": 131072,
         "tie_word_embeddings": False,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-        "bos_token_id": 2,
+        **SPECIAL_TOKEN_IDS,
     }
     return _Shape(
         recipe=Recipe(dtype="bfloat16", hf_config=config),

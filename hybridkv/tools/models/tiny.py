@@ -38,6 +38,7 @@ from typing import Any
 
 from hybridkv.spec import GroupKind
 from hybridkv.tools.models.build import (
+    SPECIAL_TOKEN_IDS,
     VOCAB_SIZE,
     GroupShape,
     LocalModel,
@@ -80,9 +81,7 @@ _COMMON_CONFIG: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "max_position_embeddings": 1024,
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "bos_token_id": 2,
+    **SPECIAL_TOKEN_IDS,
 }
 
 
