@@ -249,6 +249,20 @@ def run_job(engine: TransferEngine, job_id: JobId | None) -> JobResult:
     return results[0]
 
 
+def assert_store_wipe_load_restores(
+    engine: TransferEngine,
+    kv: dict[str, torch.Tensor],
+    ids: list[list[int]],
+    saved: dict[tuple[str, int], torch.Tensor],
+) -> None:
+    """Store the blocks, overwrite the caches, load them back: the saved bytes return."""
+    assert run_job(engine, engine.submit_store(parts_for(ids))).ok
+    wipe(kv)
+    assert run_job(engine, engine.submit_load(parts_for(ids))).ok
+    for (name, b), want in saved.items():
+        assert same_bytes(kv[name][b], want), (name, b)
+
+
 def assert_idle(engine: TransferEngine, tier: MemoryTier) -> None:
     assert engine.wait_idle(timeout_s=30)
     engine.check_integrity()
@@ -348,11 +362,7 @@ def test_round_trip_through_real_vllm_kv_caches(
     with make_engine(kv, layout, tier) as engine:
         expected = 1 if layout_name == "BLHNC" else 2
         assert [engine.copier.copies_per_block(g) for g in range(3)] == [expected] * 3
-        assert run_job(engine, engine.submit_store(parts_for(ids))).ok
-        wipe(kv)
-        assert run_job(engine, engine.submit_load(parts_for(ids))).ok
-        for (name, b), want in saved.items():
-            assert same_bytes(kv[name][b], want), (name, b)
+        assert_store_wipe_load_restores(engine, kv, ids, saved)
         assert_idle(engine, tier)
 
 
@@ -869,9 +879,5 @@ def test_staging_shares_the_caches_phase_and_still_round_trips(
     with make_engine(kv, layout, tier) as engine:
         phase = engine.caches.tensors[0].data_ptr() % PHASE_BYTES
         assert engine.arena.array.ctypes.data % PHASE_BYTES == phase // 8 * 8
-        assert run_job(engine, engine.submit_store(parts_for(ids))).ok
-        wipe(kv)
-        assert run_job(engine, engine.submit_load(parts_for(ids))).ok
-        for (name, b), want in saved.items():
-            assert same_bytes(kv[name][b], want), (name, b)
+        assert_store_wipe_load_restores(engine, kv, ids, saved)
         assert_idle(engine, tier)

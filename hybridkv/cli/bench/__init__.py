@@ -106,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
         rows = [["target", "measured", "limit", ""], *(t.row() for t in found)]
         print("\n" + format_table(rows), flush=True)
     print("\n" + _engine_line(runs[0], workload.unique_prompt_tokens), flush=True)
-    say("machine: " + describe_machine(machine()))
-    document = _document(args, kind, params, runs, summaries, found)
+    host = machine()
+    say("machine: " + describe_machine(host))
+    document = _document(args, kind, params, runs, summaries, found, host)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=1))
@@ -181,10 +182,11 @@ def _document(
     runs: list[SetupRun],
     summaries: list[Summary],
     found: list[Target],
+    host: dict[str, Any],
 ) -> dict[str, Any]:
     return {
         "command": "hybridkv " + " ".join(sys.argv[1:]),
-        "machine": machine(),
+        "machine": host,
         "workload": kind.value,
         "params": vars(params),
         "model": args.model,
