@@ -8,6 +8,7 @@ by side, so one copy moves a block.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -56,8 +57,8 @@ def allocate_kv_caches(
     long as the largest group block and the unused tail is logged.
     LAYER_MAJOR: layer slot ``i`` (shared by layer ``i`` of every group) owns
     ``num_blocks`` rows of its largest page.
-    ``shapes`` gives each layer's per-block shape and dtype (default int8
-    ``(page_size_bytes,)``); a view is ``(num_blocks, *shape)``.
+    ``shapes`` gives each layer's per-block shape and dtype (default int8, one
+    page of the layer's size); a view is ``(num_blocks, *shape)``.
     """
     page_shapes = _check_allocate_args(layout, num_blocks, kind, shapes)
     groups = layout.groups
@@ -65,8 +66,9 @@ def allocate_kv_caches(
     if kind is KVLayoutKind.BLOCK_MAJOR:
         row = _round_up(max(g.block_bytes for g in groups), ROW_ALIGN_BYTES)
         for g in groups:
-            for i, name in enumerate(g.layer_names):
-                placement[name] = (i * g.page_size_bytes, row)
+            offsets = itertools.accumulate(g.page_sizes_bytes, initial=0)
+            for name, offset in zip(g.layer_names, offsets, strict=False):
+                placement[name] = (offset, row)
         total = row * num_blocks
         largest = max(g.block_bytes for g in groups)
         unused = {
@@ -85,7 +87,7 @@ def allocate_kv_caches(
         total = 0
         for slot in range(max(g.num_layers for g in groups)):
             slot_groups = [g for g in groups if g.num_layers > slot]
-            row = _round_up(max(g.page_size_bytes for g in slot_groups), ROW_ALIGN_BYTES)
+            row = _round_up(max(g.page_sizes_bytes[slot] for g in slot_groups), ROW_ALIGN_BYTES)
             for g in slot_groups:
                 placement[g.layer_names[slot]] = (total, row)
             total += row * num_blocks
@@ -114,8 +116,8 @@ def _check_allocate_args(
         problems.append(f"shapes names layers {unknown} that are in no group of the layout")
     result: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for group_id, g in enumerate(layout.groups):
-        for name in g.layer_names:
-            shape, dtype = given.get(name, ((g.page_size_bytes,), torch.int8))
+        for name, page in zip(g.layer_names, g.page_sizes_bytes, strict=True):
+            shape, dtype = given.get(name, ((page,), torch.int8))
             shape = tuple(shape)
             if not isinstance(dtype, torch.dtype) or not all(
                 isinstance(d, int) and d > 0 for d in shape
@@ -126,10 +128,10 @@ def _check_allocate_args(
                 )
                 continue
             nbytes = math.prod(shape) * dtype.itemsize
-            if nbytes != g.page_size_bytes:
+            if nbytes != page:
                 problems.append(
                     f"shapes[{name!r}]: {shape} x {dtype} is {nbytes} bytes per block but group "
-                    f"{group_id} has page_size_bytes={g.page_size_bytes}; give the per-block "
+                    f"{group_id} gives the layer a page of {page} bytes; give the per-block "
                     "shape without the leading num_blocks dim"
                 )
             result[name] = (shape, dtype)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from hybridkv.spec import KVGroup, KVLayoutSpec
+from hybridkv.spec import KVLayoutSpec
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ def canonicalize(kv_caches: Mapping[str, torch.Tensor], layout: KVLayoutSpec) ->
     """Describe registered per-layer KV tensors canonically (see module doc).
 
     A layer's tensor must have the block dim physically outermost: one block's
-    page is one run of ``page_size_bytes`` (or fewer, padded up to it inside the
-    block stride; or ``page_size_bytes // k`` with ``k`` dense kernel blocks per
+    page is one run of the layer's page size (or fewer, padded up to it inside the
+    block stride; or that size ``// k`` with ``k`` dense kernel blocks per
     block, as vLLM's kernel block splitting makes). Raises ValueError listing
     every problem.
     """
@@ -126,11 +126,11 @@ def canonicalize(kv_caches: Mapping[str, torch.Tensor], layout: KVLayoutSpec) ->
     if unknown:
         problems.append(f"layers {unknown} are registered but in no group of the layout")
     for group_id, group in enumerate(layout.groups):
-        for name in group.layer_names:
+        for name, page in zip(group.layer_names, group.page_sizes_bytes, strict=True):
             if name not in kv_caches:
                 problems.append(f"layer {name!r} of group {group_id} is missing from kv_caches")
                 continue
-            place = _place_layer(name, group_id, group, kv_caches[name])
+            place = _place_layer(name, group_id, page, kv_caches[name])
             if isinstance(place, str):
                 problems.append(place)
             else:
@@ -157,7 +157,8 @@ def canonicalize(kv_caches: Mapping[str, torch.Tensor], layout: KVLayoutSpec) ->
     return canonical
 
 
-def _place_layer(name: str, group_id: int, group: KVGroup, tensor: object) -> _LayerPlace | str:
+def _place_layer(name: str, group_id: int, page: int, tensor: object) -> _LayerPlace | str:
+    """Where one layer's pages (``page`` bytes each, from the layout) live in its tensor."""
     if not isinstance(tensor, torch.Tensor):
         return f"layer {name!r}: expected a torch.Tensor, got {type(tensor).__name__}"
     where = (
@@ -170,7 +171,7 @@ def _place_layer(name: str, group_id: int, group: KVGroup, tensor: object) -> _L
     kernel_page = math.prod(tensor.shape[1:]) * item
     stride = tensor.stride(0) * item
     if tensor.shape[0] == 1:  # any stride is valid for one block; never below a page
-        stride = max(stride, kernel_page, group.page_size_bytes)
+        stride = max(stride, kernel_page, page)
     page_dims = _dense_dims(tensor[0])
     if page_dims is None or stride < kernel_page:
         return (
@@ -178,7 +179,6 @@ def _place_layer(name: str, group_id: int, group: KVGroup, tensor: object) -> _L
             "must be the physically outermost dim (ask the engine for a block-leading "
             "layout, e.g. vLLM's LBHNC or BLHNC)"
         )
-    page = group.page_size_bytes
     ratio = 1
     if kernel_page < page and page % kernel_page == 0 and stride == kernel_page:
         ratio = page // kernel_page  # dense kernel blocks; one block is `ratio` of them
@@ -188,9 +188,9 @@ def _place_layer(name: str, group_id: int, group: KVGroup, tensor: object) -> _L
     elif kernel_page != page and not kernel_page < page <= stride:
         return (
             f"{where}: one block's page is prod(shape[1:]) * element size = {kernel_page} "
-            f"bytes but group {group_id} has page_size_bytes={page}; expected equal (or a "
+            f"bytes but group {group_id} gives it a page of {page} bytes; expected equal (or a "
             f"page padded up to {page} within the block stride of {stride} bytes); fix the "
-            "group's page_size_bytes or register the layer's own tensor"
+            "group's page sizes or register the layer's own tensor"
         )
     dims = ([ratio] if ratio > 1 else []) + [tensor.shape[1 + d] for d in page_dims]
     page_format = f"{str(tensor.dtype).removeprefix('torch.')}[{','.join(map(str, dims))}]"
@@ -301,16 +301,21 @@ def _alias_problems(cluster: Sequence[_LayerPlace]) -> list[str]:
 
 
 def _group_spans(refs: Sequence[PageRef]) -> tuple[BlockSpan, ...]:
-    first = refs[0]
-    adjacent = all(
-        r.tensor_idx == first.tensor_idx and r.offset_bytes == first.offset_bytes + i * r.page_bytes
-        for i, r in enumerate(refs)
-    )
-    if adjacent:
-        total = sum(r.page_bytes for r in refs)
-        return (BlockSpan(first.tensor_idx, first.offset_bytes, total, 0),)
-    starts = itertools.accumulate((r.page_bytes for r in refs), initial=0)
-    return tuple(BlockSpan(r[0], r[1], r[2], o) for r, o in zip(refs, starts, strict=False))
+    """A block object's spans: pages in layer order, adjacent ones merged into one copy."""
+    spans: list[BlockSpan] = []
+    object_offset = 0
+    for r in refs:
+        last = spans[-1] if spans else None
+        if (
+            last
+            and last.tensor_idx == r.tensor_idx
+            and last.offset_bytes + last.num_bytes == r.offset_bytes
+        ):
+            spans[-1] = last._replace(num_bytes=last.num_bytes + r.page_bytes)
+        else:
+            spans.append(BlockSpan(r.tensor_idx, r.offset_bytes, r.page_bytes, object_offset))
+        object_offset += r.page_bytes
+    return tuple(spans)
 
 
 def _canonical_problems(c: CanonicalKVCaches) -> list[str]:
@@ -325,8 +330,8 @@ def _canonical_problems(c: CanonicalKVCaches) -> list[str]:
     if [len(refs) for refs in c.group_refs] != [g.num_layers for g in c.layout.groups]:
         return ["group_refs needs one PageRef per layer of every group, in layer order"]
     for group_id, (group, refs) in enumerate(zip(c.layout.groups, c.group_refs, strict=True)):
-        for ref in refs:
-            ok = 0 <= ref.tensor_idx < len(c.tensors) and ref.page_bytes == group.page_size_bytes
+        for ref, page in zip(refs, group.page_sizes_bytes, strict=True):
+            ok = 0 <= ref.tensor_idx < len(c.tensors) and ref.page_bytes == page
             if not ok or ref.offset_bytes + ref.page_bytes > c.tensors[ref.tensor_idx].shape[1]:
                 problems.append(f"group {group_id}: {ref} does not fit its block tensor")
     return problems

@@ -24,10 +24,13 @@ from hybridkv.spec.kinds import GroupKind, rules_for
 
 @dataclass(frozen=True, kw_only=True)
 class KVGroup:
-    """One KV cache group: layers with the same kind, block size and page size.
+    """One KV cache group: layers with the same kind and block size.
 
-    ``page_size_bytes`` is one layer's block; a block of the whole group is
-    ``page_size_bytes * num_layers`` bytes.
+    ``page_size_bytes`` is one layer's block. Most groups have one page size for
+    every layer; a group whose layers differ (vLLM's ``UniformTypeKVCacheSpecs``,
+    e.g. DeepSeek-V4's compressed MLA + indexer group) lists each layer's page in
+    ``layer_page_sizes_bytes`` and its ``page_size_bytes`` is the largest. A block
+    of the whole group is the sum of its layers' pages (``block_bytes``).
     """
 
     __pydantic_config__ = CONFIG
@@ -38,8 +41,12 @@ class KVGroup:
     layer_names: tuple[StrictStr, ...]
     sliding_window: StrictInt | None = None
     attention_chunk_size: StrictInt | None = None
+    layer_page_sizes_bytes: tuple[StrictInt, ...] = ()
+    """Per layer, in ``layer_names`` order, when pages differ; empty: all ``page_size_bytes``."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layer_page_sizes_bytes, tuple):
+            object.__setattr__(self, "layer_page_sizes_bytes", tuple(self.layer_page_sizes_bytes))
         if isinstance(self.layer_names, str | bytes):
             raise TypeError(
                 f"invalid KVGroup: layer_names={self.layer_names!r} must be a sequence of "
@@ -56,8 +63,15 @@ class KVGroup:
         return len(self.layer_names)
 
     @property
+    def page_sizes_bytes(self) -> tuple[int, ...]:
+        """Each layer's page, in ``layer_names`` order."""
+        return self.layer_page_sizes_bytes or (self.page_size_bytes,) * self.num_layers
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers of the group."""
+        if self.layer_page_sizes_bytes:
+            return sum(self.layer_page_sizes_bytes)
         return self.page_size_bytes * self.num_layers
 
     @property
@@ -66,6 +80,8 @@ class KVGroup:
 
         Groups with equal spec keys are searched together for hits: a block
         hits only if every such group holds it (as vLLM's coordinator does).
+        A group with per-layer pages is its own spec: vLLM's per-layer spec
+        collections name their layers, so two such groups never compare equal.
         """
         return (
             self.kind,
@@ -73,10 +89,11 @@ class KVGroup:
             self.page_size_bytes,
             self.sliding_window,
             self.attention_chunk_size,
+            self.layer_names if self.layer_page_sizes_bytes else (),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "kind": self.kind.value,
             "block_size": self.block_size,
             "page_size_bytes": self.page_size_bytes,
@@ -84,6 +101,9 @@ class KVGroup:
             "sliding_window": self.sliding_window,
             "attention_chunk_size": self.attention_chunk_size,
         }
+        if self.layer_page_sizes_bytes:  # absent for uniform pages: fingerprints unchanged
+            data["layer_page_sizes_bytes"] = list(self.layer_page_sizes_bytes)
+        return data
 
     @classmethod
     def from_dict(cls, data: object, *, where: str = "group") -> KVGroup:
@@ -111,8 +131,30 @@ def _group_problems(group: KVGroup) -> list[str]:
         problems.append("layer_names is empty; a group needs at least one layer")
     elif len(set(group.layer_names)) != len(group.layer_names):
         problems.append(f"layer_names {list(group.layer_names)} has duplicates")
+    problems += _layer_page_problems(group)
     if isinstance(group.kind, GroupKind):
         problems += rules_for(group.kind).param_problems(group)
+    return problems
+
+
+def _layer_page_problems(group: KVGroup) -> list[str]:
+    pages = group.layer_page_sizes_bytes
+    if not pages:
+        return []
+    bad = [p for p in pages if isinstance(p, bool) or not isinstance(p, int) or p <= 0]
+    if bad:
+        return [f"layer_page_sizes_bytes has {bad[:3]}; every page must be an int > 0"]
+    problems = []
+    if len(pages) != len(group.layer_names):
+        problems.append(
+            f"layer_page_sizes_bytes has {len(pages)} pages for {len(group.layer_names)} "
+            "layers; give one page per layer, in layer_names order"
+        )
+    if isinstance(group.page_size_bytes, int) and group.page_size_bytes != max(pages):
+        problems.append(
+            f"page_size_bytes={group.page_size_bytes} must be the largest of "
+            f"layer_page_sizes_bytes ({max(pages)})"
+        )
     return problems
 
 

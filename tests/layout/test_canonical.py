@@ -201,7 +201,7 @@ def test_allocate_rejects_bad_arguments_with_every_problem() -> None:
     assert "num_blocks=0 must be an int > 0" in text
     assert "['nope']" in text
     assert "shapes['l.0']" in text and "2048 bytes per block" in text
-    assert "page_size_bytes=4096" in text
+    assert "a page of 4096 bytes" in text
 
 
 # ---------------------------------------------------------------- canonicalize
@@ -276,7 +276,7 @@ def test_canonicalize_names_every_problem() -> None:
     assert "['ghost.9'] are registered but in no group" in text
     assert "layer 'l.0' (group 0, shape (6, 2, 32, 16)" in text
     assert "physically outermost" in text
-    assert "layer 'l.1'" in text and "= 6144 bytes" in text and "page_size_bytes=4096" in text
+    assert "layer 'l.1'" in text and "= 6144 bytes" in text and "a page of 4096 bytes" in text
 
 
 def test_canonicalize_rejects_disagreeing_block_counts_and_aliased_pages() -> None:
@@ -308,11 +308,15 @@ def layouts(draw: st.DrawFn) -> tuple[KVLayoutSpec, Shapes, int]:
     for gid in range(draw(st.integers(1, 3))):
         num_layers = draw(st.integers(1, 3))
         dtype = draw(st.sampled_from(dtypes))
-        dims = (draw(st.integers(1, 3)), draw(st.integers(1, 40)))
         names = tuple(f"g{gid}.l{i}" for i in range(num_layers))
-        page = dims[0] * dims[1] * dtype.itemsize
-        groups.append(group(draw(st.sampled_from(kinds)), names, page))
-        shapes.update({name: (dims, dtype) for name in names})
+        mixed = draw(st.booleans())  # each layer its own page, as DeepSeek-V4's groups
+        dims = [(draw(st.integers(1, 3)), draw(st.integers(1, 40))) for _ in names]
+        if not mixed:
+            dims = [dims[0]] * num_layers
+        pages = tuple(d[0] * d[1] * dtype.itemsize for d in dims)
+        kind = draw(st.sampled_from(kinds))
+        groups.append(group(kind, names, pages[0], layer_pages=pages if mixed else ()))
+        shapes.update({name: (d, dtype) for name, d in zip(names, dims, strict=True)})
     return KVLayoutSpec(groups=tuple(groups)), shapes, draw(st.integers(1, 5))
 
 

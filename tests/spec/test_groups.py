@@ -109,8 +109,39 @@ def test_valid_groups_and_their_derived_sizes() -> None:
     assert g.num_layers == 3
     assert g.block_bytes == 3 * 4096
     chunked = group(kind=GroupKind.CHUNKED_LOCAL, attention_chunk_size=8192)
-    assert chunked.spec_key == (GroupKind.CHUNKED_LOCAL, 16, 1024, None, 8192)
+    assert chunked.spec_key == (GroupKind.CHUNKED_LOCAL, 16, 1024, None, 8192, ())
     assert sliding(layer_names=["x"]).layer_names == ("x",)  # lists become tuples
+
+
+def test_per_layer_pages_size_the_block_and_make_their_own_spec() -> None:
+    mixed = group(
+        layer_names=("a", "b", "c"), page_size_bytes=300, layer_page_sizes_bytes=[300, 100, 20]
+    )
+    assert mixed.page_sizes_bytes == (300, 100, 20)
+    assert mixed.block_bytes == 420
+    twin = group(
+        layer_names=("d", "e", "f"), page_size_bytes=300, layer_page_sizes_bytes=(300, 100, 20)
+    )
+    assert mixed.spec_key != twin.spec_key  # vLLM's per-layer spec collections never compare equal
+    assert KVGroup.from_dict(mixed.to_dict()) == mixed
+    uniform = group(layer_names=("a", "b"), page_size_bytes=64)
+    assert "layer_page_sizes_bytes" not in uniform.to_dict()  # old fingerprints stay valid
+    assert uniform.page_sizes_bytes == (64, 64)
+
+
+@pytest.mark.parametrize(
+    ("pages", "page_size", "message"),
+    [
+        ((64, 32), 64, "2 pages for 3 layers"),
+        ((64, 32, 16), 32, "must be the largest"),
+        ((64, 0, 16), 64, "must be an int > 0"),
+    ],
+)
+def test_bad_per_layer_pages_are_named(
+    pages: tuple[int, ...], page_size: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        group(layer_names=("a", "b", "c"), page_size_bytes=page_size, layer_page_sizes_bytes=pages)
 
 
 def test_string_layer_names_are_rejected() -> None:

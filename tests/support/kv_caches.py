@@ -11,10 +11,20 @@ import torch
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 
 
-def group(kind: GroupKind, names: tuple[str, ...], page: int, block_size: int = 32) -> KVGroup:
-    extra = {"sliding_window": 64} if kind is GroupKind.SLIDING_WINDOW else {}
+def group(
+    kind: GroupKind,
+    names: tuple[str, ...],
+    page: int,
+    block_size: int = 32,
+    layer_pages: tuple[int, ...] = (),
+) -> KVGroup:
+    """A group; ``layer_pages`` gives each layer its own page (``page`` is then ignored)."""
+    extra: dict[str, object] = {"sliding_window": 64} if kind is GroupKind.SLIDING_WINDOW else {}
     if kind is GroupKind.CHUNKED_LOCAL:
         extra = {"attention_chunk_size": 4 * block_size}
+    if layer_pages:
+        extra["layer_page_sizes_bytes"] = layer_pages
+        page = max(layer_pages)
     return KVGroup(
         kind=kind, block_size=block_size, page_size_bytes=page, layer_names=names, **extra
     )

@@ -171,6 +171,26 @@ UNEVEN = KVLayoutSpec(
         kv_group(GroupKind.MAMBA, ("m.3",), 1000),
     )
 )
+MIXED_PAGES = KVLayoutSpec(  # DeepSeek-V4-like: one block of group 0 is three page sizes
+    groups=(
+        KVGroup(
+            kind=GroupKind.FULL,
+            block_size=32,
+            page_size_bytes=2048,
+            layer_names=("csa.0", "indexer.0", "hca.1", "csa.2"),
+            layer_page_sizes_bytes=(2048, 512, 96, 2048),
+        ),
+        kv_group(GroupKind.SLIDING_WINDOW, ("swa.0", "swa.1"), 2048),
+        KVGroup(
+            kind=GroupKind.SLIDING_WINDOW,
+            block_size=32,
+            page_size_bytes=1024,
+            sliding_window=8,
+            layer_names=("state.0", "indexer_state.0"),
+            layer_page_sizes_bytes=(1024, 256),
+        ),
+    )
+)
 NUM_BLOCKS = 24
 
 
@@ -178,11 +198,11 @@ def shapes_for(layout: KVLayoutSpec) -> dict[str, tuple[tuple[int, ...], torch.d
     """Engine-like dtypes: bf16 attention pages, raw int8 Mamba state."""
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for g in layout.groups:
-        for name in g.layer_names:
+        for name, page in zip(g.layer_names, g.page_sizes_bytes, strict=True):
             if g.kind is GroupKind.MAMBA:
-                shapes[name] = ((1, 1, g.page_size_bytes), torch.int8)
+                shapes[name] = ((1, 1, page), torch.int8)
             else:
-                shapes[name] = ((2, 8, g.page_size_bytes // 32), torch.bfloat16)
+                shapes[name] = ((2, 8, page // 32), torch.bfloat16)
     return shapes
 
 
@@ -297,7 +317,9 @@ def build(layout: KVLayoutSpec, storage: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("layout", [ALL_KINDS, UNEVEN], ids=["all_kinds", "uneven"])
+@pytest.mark.parametrize(
+    "layout", [ALL_KINDS, UNEVEN, MIXED_PAGES], ids=["all_kinds", "uneven", "mixed_pages"]
+)
 def test_store_wipe_load_restores_every_group(
     tier: MemoryTier, layout: KVLayoutSpec, storage: str
 ) -> None:
@@ -320,12 +342,12 @@ def test_store_wipe_load_restores_every_group(
         assert_idle(engine, tier)
 
 
+@pytest.mark.parametrize("layout", [ALL_KINDS, MIXED_PAGES], ids=["all_kinds", "mixed_pages"])
 @pytest.mark.parametrize("source", STORAGES)
 @pytest.mark.parametrize("target", STORAGES)
 def test_objects_load_into_another_storage_layout(
-    tier: MemoryTier, source: str, target: str
+    tier: MemoryTier, source: str, target: str, layout: KVLayoutSpec
 ) -> None:
-    layout = ALL_KINDS
     src, dst = build(layout, source), build(layout, target)
     fill_random(src, seed=3)
     ids = pool_block_ids(layout, seed=4, per_group=4)
