@@ -228,10 +228,9 @@ def find_longest_hit(
     """
     align = _validate(groups, max_hit_tokens, contains, alignment_tokens, use_eagle)
     searches = _spec_searches(groups, max_hit_tokens)
-    if use_eagle:
-        eagle = set(range(len(groups)) if eagle_group_ids is None else eagle_group_ids)
-        for search in searches:  # a spec drops when any of its groups drafts (as vLLM's)
-            search.drafts = bool(eagle.intersection(search.group_ids))
+    drops = drafting_groups(groups, use_eagle, eagle_group_ids)
+    for search in searches:
+        search.drafts = drops[search.group_ids[0]]
     if len(groups) == 1:  # the engine's single-group coordinator: one lookup, no widening
         drop = searches[0].drafts
         hit_tokens = searches[0].search(max_hit_tokens, drop, align, contains).num_tokens
@@ -247,6 +246,21 @@ def find_longest_hit(
         for group_id in search.group_ids:
             blocks[group_id] = _block_ids(first, end)
     return Hit(hit_tokens, tuple(blocks))
+
+
+def drafting_groups(
+    groups: Sequence[KVGroup], use_eagle: bool, eagle_group_ids: Collection[int] | None
+) -> tuple[bool, ...]:
+    """Per group: whether its hits drop the last block for EAGLE-style drafting.
+
+    ``eagle_group_ids`` None means every group (as vLLM when none is flagged). A
+    group drops when any group of its spec drafts: they are searched together.
+    """
+    if not use_eagle:
+        return (False,) * len(groups)
+    eagle = set(range(len(groups)) if eagle_group_ids is None else eagle_group_ids)
+    drafting_specs = {groups[i].spec_key for i in eagle if 0 <= i < len(groups)}
+    return tuple(g.spec_key in drafting_specs for g in groups)
 
 
 def _converge(

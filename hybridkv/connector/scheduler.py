@@ -35,7 +35,7 @@ from hybridkv.connector.requests import GroupBlockTable, RequestState
 from hybridkv.connector.stats import SchedulerStats
 from hybridkv.connector.steps import LookupResult, ScheduledRequest, StepInput
 from hybridkv.connector.stores import StorePlanner, make_transfer
-from hybridkv.hits import Hit, find_longest_hit
+from hybridkv.hits import Hit, drafting_groups, find_longest_hit
 from hybridkv.keys import HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.spec import KVLayoutSpec
 from hybridkv.spec.kinds import rules_for
@@ -83,7 +83,8 @@ class ConnectorScheduler:
         self._requests: dict[str, RequestState] = {}
         self._loads: list[LoadSpec] = []
         self._cancelled: set[str] = set()
-        self.stores = StorePlanner(layout, self.builders[0], tp_size)
+        drafting = drafting_groups(layout.groups, use_eagle, eagle_group_ids)
+        self.stores = StorePlanner(layout, self.builders[0], tp_size, drafting)
 
     # --- lookups and loads ---------------------------------------------------
 

@@ -1,8 +1,10 @@
 """Which blocks a step stores, and what the scheduler remembers of stores in flight.
 
-Scheduler process; no I/O. Every block a step completes is sent for storing
-once (a recent block is not sent again), except blocks a worker reported
-dropped or lost, which may be sent again. Until every rank confirms a block,
+Scheduler process; no I/O. Of the blocks a step completes, those a later hit
+can read (each kind's ``stored_blocks`` rule: sliding windows keep the tail of
+each aligned segment, Mamba only aligned states) are sent for storing once (a
+recent block is not sent again), except blocks a worker reported dropped or
+lost, which may be sent again. Until every rank confirms a block,
 it counts as stored for lookups (read-your-writes; the worker loads it only
 after its store is done).
 """
@@ -25,8 +27,16 @@ RECENT_STORES = 1 << 16
 
 
 class StorePlanner:
-    def __init__(self, layout: KVLayoutSpec, builder: KeyBuilder, tp_size: int) -> None:
+    def __init__(
+        self,
+        layout: KVLayoutSpec,
+        builder: KeyBuilder,
+        tp_size: int,
+        drafting: Sequence[bool] | None = None,
+    ) -> None:
         self.layout = layout
+        self.drafting = tuple(drafting or (False,) * layout.num_groups)
+        """Per group: hits drop its last block (EAGLE), so stores keep one block more."""
         self.builder = builder
         """Any rank's builder: block hashes are the same for every rank."""
         self.tp_size = tp_size
@@ -47,7 +57,10 @@ class StorePlanner:
         transfers: list[BlockTransfer] = []
         for group_id, group in enumerate(self.layout.groups):
             ids = st.table.block_ids[group_id]
-            stored = rules_for(group.kind).stored_blocks(group, start, end, alignment_tokens)
+            rule = rules_for(group.kind)
+            stored = rule.stored_blocks(
+                group, start, end, alignment_tokens, self.drafting[group_id]
+            )
             indices = [i for i in stored if i < len(ids) and ids[i] != 0]
             if not indices:
                 continue

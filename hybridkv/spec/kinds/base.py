@@ -7,7 +7,8 @@ past blocks to resume it at a given length; the rules answer, for that kind:
   a hit they allow, asked in passes with ``window`` / ``stride`` /
   ``relevant`` / ``find``;
 * store planning: which blocks a step that computed tokens ``[start, end)``
-  stores (``stored_blocks``);
+  stores (``stored_blocks``): only those a later aligned hit can read, and
+  every block any hit the search reports needs;
 * load planning: whether every block of a hit must be allocated by the
   engine (``needs_every_block``);
 * configuration: which kind parameters a group needs (``param_problems``)
@@ -21,6 +22,7 @@ classes to the kind.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import numpy as np
@@ -92,9 +94,13 @@ class KindRules:
 
     # --- stores --------------------------------------------------------------------
 
-    def stored_blocks(self, group: KVGroup, start: int, end: int, align: int) -> range:
-        """Block indices a step that computed tokens ``[start, end)`` stores.
+    def stored_blocks(
+        self, group: KVGroup, start: int, end: int, align: int, drop: bool
+    ) -> Sequence[int]:
+        """Block indices a step that computed tokens ``[start, end)`` stores, increasing.
 
+        Only blocks some later hit (aligned to ``align`` tokens; ``drop``: EAGLE
+        drafting drops the spec's last hit block) can read are worth storing.
         Default: every block whose last token was computed in the step.
         """
         return range(start // group.block_size, end // group.block_size)

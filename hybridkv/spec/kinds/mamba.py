@@ -7,6 +7,7 @@ stores at most one state: the one at its end, when that end is aligned.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -37,7 +38,9 @@ class MambaRules(KindRules):
         block = pos * a + a - 1
         return Found((block + 1) * group.block_size, block, block + 1)
 
-    def stored_blocks(self, group: KVGroup, start: int, end: int, align: int) -> range:
+    def stored_blocks(
+        self, group: KVGroup, start: int, end: int, align: int, drop: bool
+    ) -> Sequence[int]:
         if end <= start or end % align:
             return range(0)
         last = end // group.block_size - 1

@@ -2,11 +2,17 @@
 
 A hit ends on the rightmost run of ``cdiv(window - 1, block_size)`` stored
 blocks whose end lands on the alignment (else the run from block 0); only
-that run is loaded.
+that run is loaded. So only the tail of each aligned segment is stored: the
+run that ends on its boundary (with EAGLE, one block later), as vLLM caches
+sliding blocks (``SlidingWindowManager.reachable_block_mask``). DeepSeek-V4's
+compressor states are sliding-window groups too: per 256-token segment their
+tails are blocks 62-63 of 64 (window 8, block 4) and 16-31 of 32 (window 128,
+block 8).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -62,6 +68,22 @@ class SlidingWindowRules(KindRules):
             num_blocks -= 1
             num_blocks -= num_blocks % a
         return Found(num_blocks * bs, 0, num_blocks)
+
+    def stored_blocks(
+        self, group: KVGroup, start: int, end: int, align: int, drop: bool
+    ) -> Sequence[int]:
+        first, stop = start // group.block_size, end // group.block_size
+        a, need, shift = align // group.block_size, self._need(group, False), int(drop)
+        if align % group.block_size or need + shift >= a:
+            return range(first, stop)  # every block can end up in some hit's run
+        # Segment k's tail: blocks [k*a - need, k*a), one more with EAGLE (its run ends
+        # on block k*a; a search that already dropped reads the plain tail).
+        stored: list[int] = []
+        seg_end = max(1, (first - shift) // a + 1) * a  # the first boundary whose tail can reach
+        while seg_end - need < stop:
+            stored.extend(range(max(first, seg_end - need), min(stop, seg_end + shift)))
+            seg_end += a
+        return stored
 
     def param_problems(self, group: KVGroup) -> list[str]:
         problems = []
