@@ -9,6 +9,11 @@ every block: all N tokens (full attention), the blocks holding the last
 ``window - 1`` tokens (sliding window), the blocks since the current chunk
 began (chunked local attention), one state (Mamba). A layer-blind loader
 moves every group's blocks for all N tokens (for Mamba: one state per block).
+
+Stores: for a prompt of N tokens, each kind's ``stored_blocks`` rule keeps
+only what a later aligned hit can read (sliding windows: the tail of each
+aligned segment; Mamba: aligned states); a layer-blind store keeps every
+block of every group (for Mamba: one state per block).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 from hybridkv.cli.tables import format_bytes
 from hybridkv.hits import find_longest_hit
 from hybridkv.spec import KVLayoutSpec
+from hybridkv.spec.kinds import rules_for
 from hybridkv.spec.presets import PRESETS, load_layout
 
 DEFAULT_HIT_TOKENS = 32768
@@ -42,6 +48,11 @@ class GroupLoad:
     hybrid_bytes: int
     blind_blocks: int
     blind_bytes: int
+    stored_blocks: int
+    """Blocks stored for a prompt of ``hit_tokens`` tokens."""
+    stored_bytes: int
+    stored_bytes_per_token: float
+    blind_stored_bytes: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +70,12 @@ class InspectReport:
     blind_bytes: int
     ratio: float
     """hybrid_bytes / blind_bytes."""
+    stored_bytes: int
+    blind_stored_bytes: int
+    stored_ratio: float
+    """stored_bytes / blind_stored_bytes."""
+    stored_bytes_per_segment: float
+    """Bytes stored per ``alignment_tokens`` of prompt."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +101,8 @@ def compute_report(
     for group_id, group in enumerate(layout.groups):
         hybrid_blocks = len(hit.blocks_to_load[group_id])
         blind_blocks = hit.num_tokens // group.block_size
+        rule = rules_for(group.kind)
+        stored_blocks = len(rule.stored_blocks(group, 0, hit.num_tokens, align, False))
         loads.append(
             GroupLoad(
                 group_id=group_id,
@@ -99,10 +118,16 @@ def compute_report(
                 hybrid_bytes=hybrid_blocks * group.block_bytes,
                 blind_blocks=blind_blocks,
                 blind_bytes=blind_blocks * group.block_bytes,
+                stored_blocks=stored_blocks,
+                stored_bytes=stored_blocks * group.block_bytes,
+                stored_bytes_per_token=stored_blocks * group.block_bytes / hit.num_tokens,
+                blind_stored_bytes=blind_blocks * group.block_bytes,
             )
         )
     hybrid = sum(load.hybrid_bytes for load in loads)
     blind = sum(load.blind_bytes for load in loads)
+    stored = sum(load.stored_bytes for load in loads)
+    blind_stored = sum(load.blind_stored_bytes for load in loads)
     return InspectReport(
         model_id=layout.model_id,
         fingerprint=layout.fingerprint,
@@ -115,6 +140,10 @@ def compute_report(
         hybrid_bytes=hybrid,
         blind_bytes=blind,
         ratio=hybrid / blind,
+        stored_bytes=stored,
+        blind_stored_bytes=blind_stored,
+        stored_ratio=stored / blind_stored,
+        stored_bytes_per_segment=stored * align / hit.num_tokens,
     )
 
 
@@ -129,14 +158,16 @@ def render_text(report: InspectReport) -> str:
         f"hash block size {report.hash_block_size} tokens",
         "",
         f"{'group':>5} {'kind':<14} {'block':>6} {'window':>7} {'layers':>6} "
-        f"{'page bytes':>11} {'bytes/token':>12} {'hybrid':>10} {'blind':>10}",
+        f"{'page bytes':>11} {'bytes/token':>12} {'load':>10} {'blind':>10} "
+        f"{'stored/token':>13} {'blind':>10}",
     ]
     for g in report.groups:
         window = g.sliding_window or g.attention_chunk_size
         lines.append(
             f"{g.group_id:>5} {g.kind:<14} {g.block_size:>6} {window or '-':>7} "
             f"{g.num_layers:>6} {g.page_size_bytes:>11} {g.bytes_per_token:>12.0f} "
-            f"{format_bytes(g.hybrid_bytes):>10} {format_bytes(g.blind_bytes):>10}"
+            f"{format_bytes(g.hybrid_bytes):>10} {format_bytes(g.blind_bytes):>10} "
+            f"{g.stored_bytes_per_token:>13.0f} {g.bytes_per_token:>10.0f}"
         )
     lines += [
         "",
@@ -144,6 +175,10 @@ def render_text(report: InspectReport) -> str:
         f"hybrid-aware load {format_bytes(report.hybrid_bytes)} ({report.hybrid_bytes} B), "
         f"layer-blind load {format_bytes(report.blind_bytes)} ({report.blind_bytes} B), "
         f"ratio {report.ratio:.2%} (hits aligned to {report.alignment_tokens} tokens)",
+        f"prompt of {report.hit_tokens} tokens: stored {format_bytes(report.stored_bytes)} "
+        f"({report.stored_bytes_per_segment:.0f} B per {report.alignment_tokens}-token "
+        f"segment), layer-blind store {format_bytes(report.blind_stored_bytes)}, "
+        f"ratio {report.stored_ratio:.2%}",
     ]
     return "\n".join(lines)
 

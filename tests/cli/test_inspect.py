@@ -69,6 +69,34 @@ def test_deepseek_v4_flash_numbers_match_enumeration() -> None:
     assert [g.blind_blocks for g in report.groups] == [16, 64, 64, 1024, 512]
 
 
+def test_deepseek_v4_flash_stores_vllms_tail_per_segment() -> None:
+    """Per 256-token segment vLLM caches group 0's block, sliding KV blocks 2-3 of 4, CSA
+    state blocks 62-63 of 64 and HCA state blocks 16-31 of 32."""
+    layout = deepseek_v4_flash()
+    report = compute_report(layout, hit_tokens=4096)
+    tails = {64: 2, 4: 2, 8: 16}  # block size -> tail blocks per segment
+    want = 0
+    for g in layout.groups:
+        want += g.block_bytes * (1 if g.kind is GroupKind.FULL else tails[g.block_size])
+    assert report.alignment_tokens == 256
+    assert report.stored_bytes_per_segment == want
+    assert report.stored_bytes == want * 4096 // 256
+    blind = sum(g.block_bytes * 4096 // g.block_size for g in layout.groups)
+    assert report.blind_stored_bytes == blind and report.stored_ratio == want * 16 / blind
+
+
+@pytest.mark.parametrize(("alignment", "sliding_share"), [(1024, 1.0), (2048, 0.5), (8192, 0.125)])
+def test_gemma3_stores_only_each_segments_window(alignment: int, sliding_share: float) -> None:
+    """52 sliding layers keep the 1024-token window before each boundary, 10 full ones all."""
+    report = compute_report(gemma3_27b(), hit_tokens=32768, alignment_tokens=alignment)
+    assert report.stored_ratio == pytest.approx((10 + 52 * sliding_share) / 62)
+    assert report.stored_bytes_per_segment == pytest.approx(
+        (10 + 52 * sliding_share) * GEMMA_PAGE / 16 * alignment
+    )
+    # Loads are unchanged by what is stored: the same window of each sliding group.
+    assert report.hybrid_bytes == compute_report(gemma3_27b(), hit_tokens=32768).hybrid_bytes
+
+
 @st.composite
 def layouts(draw: st.DrawFn) -> KVLayoutSpec:
     groups = []
