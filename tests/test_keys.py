@@ -437,7 +437,7 @@ def test_keys_differ_by_model_layout_rank_and_group() -> None:
 
     other_layout = KVLayoutSpec(
         groups=tuple(
-            KVGroup(**{**g.to_dict(), "kind": g.kind, "page_size_bytes": 256})
+            KVGroup(**{**g.to_dict(), "kind": g.kind, "block_size": 2 * g.block_size})
             for g in layout.groups
         ),
         model_id=layout.model_id,

@@ -101,7 +101,7 @@ class KVGroup:
             "sliding_window": self.sliding_window,
             "attention_chunk_size": self.attention_chunk_size,
         }
-        if self.layer_page_sizes_bytes:  # absent for uniform pages: fingerprints unchanged
+        if self.layer_page_sizes_bytes:  # absent for uniform pages: layout files unchanged
             data["layer_page_sizes_bytes"] = list(self.layer_page_sizes_bytes)
         return data
 
@@ -229,7 +229,8 @@ class KVLayoutSpec:
 
     @property
     def fingerprint(self) -> str:
-        """Stable 16-hex-digit digest of everything that shapes stored bytes."""
+        """Stable 16-hex-digit digest of what names stored blocks: groups, kinds, block
+        sizes, windows, layers, in order (not pages: see ``_fingerprint``)."""
         return self._fingerprint
 
     def group_of_layer(self, layer_name: str) -> int:
@@ -254,10 +255,20 @@ class KVLayoutSpec:
 
 
 def _fingerprint(spec: KVLayoutSpec) -> str:
+    # Pages are left out: vLLM's scheduler process sees a group with per-layer pages
+    # (DeepSeek-V4) as its first layer's spec, its workers see every page, and both
+    # must name blocks alike. Page sizes follow from the model, dtype and in-page
+    # layout (the key namespace) and each object's length is checked on load.
+    groups = []
+    for g in spec.groups:
+        data = g.to_dict()
+        del data["page_size_bytes"]
+        data.pop("layer_page_sizes_bytes", None)
+        groups.append(data)
     body = {
         "scheduler_block_size": spec.scheduler_block_size,
         "hash_block_size": spec.hash_block_size,
-        "groups": [g.to_dict() for g in spec.groups],
+        "groups": groups,
     }
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

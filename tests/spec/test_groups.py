@@ -125,7 +125,7 @@ def test_per_layer_pages_size_the_block_and_make_their_own_spec() -> None:
     assert mixed.spec_key != twin.spec_key  # vLLM's per-layer spec collections never compare equal
     assert KVGroup.from_dict(mixed.to_dict()) == mixed
     uniform = group(layer_names=("a", "b"), page_size_bytes=64)
-    assert "layer_page_sizes_bytes" not in uniform.to_dict()  # old fingerprints stay valid
+    assert "layer_page_sizes_bytes" not in uniform.to_dict()  # old layout files stay valid
     assert uniform.page_sizes_bytes == (64, 64)
 
 
@@ -410,7 +410,6 @@ def replace_group(layout: KVLayoutSpec, index: int, **changes: Any) -> KVLayoutS
 BYTE_SHAPING_CHANGES = {
     "kind": lambda x: replace_group(x, 1, kind=GroupKind.FULL, sliding_window=None),
     "block_size": lambda x: replace_group(x, 0, block_size=32),
-    "page_size_bytes": lambda x: replace_group(x, 0, page_size_bytes=2048),
     "layer_names": lambda x: replace_group(x, 0, layer_names=("a", "z")),
     "layer_order": lambda x: replace_group(x, 0, layer_names=("b", "a")),
     "sliding_window": lambda x: replace_group(x, 1, sliding_window=256),
@@ -434,6 +433,22 @@ def test_fingerprint_changes_with_every_field_that_shapes_bytes(field: str) -> N
 def test_fingerprints_of_all_variants_are_distinct() -> None:
     variants = [f(base_layout()) for f in BYTE_SHAPING_CHANGES.values()] + [base_layout()]
     assert len({v.fingerprint for v in variants}) == len(variants)
+
+
+def test_fingerprint_ignores_pages() -> None:
+    """vLLM's scheduler sees a per-layer-page group as its first layer's spec, its
+    workers see every page: both must name the same blocks."""
+    layout = base_layout()
+    first = layout.groups[0]
+    worker_view = replace_group(
+        layout,
+        0,
+        page_size_bytes=4 * first.page_size_bytes,
+        layer_page_sizes_bytes=(first.page_size_bytes, 4 * first.page_size_bytes),
+    )
+    assert worker_view.groups[0].block_bytes != first.block_bytes
+    assert worker_view.fingerprint == layout.fingerprint
+    assert replace_group(layout, 0, page_size_bytes=2048).fingerprint == layout.fingerprint
 
 
 def test_fingerprint_ignores_model_id() -> None:
