@@ -77,8 +77,9 @@ class ConnectorConfig:
         Field(
             gt=0,
             description=(
-                "hits (and stored Mamba states) land on multiples of this; a multiple of "
-                "the engine's alignment; null: the engine's"
+                "hits land on multiples of this (sliding windows then store only each "
+                "segment's last window); a multiple of the engine's alignment, not coarser "
+                "with Mamba groups; null: the engine's"
             ),
         ),
     ] = None

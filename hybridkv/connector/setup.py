@@ -21,7 +21,7 @@ from hybridkv.connector.lookup import KeyLookup, LookupView, TierSlice
 from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.schema import ConfigError
 from hybridkv.spec import KVLayoutSpec
-from hybridkv.spec.kinds import rules_for
+from hybridkv.spec.kinds import GroupKind, rules_for
 from hybridkv.tiers.base import Tier, TierReach
 from hybridkv.tiers.registry import TierConfig, build_tier, build_tiers
 from hybridkv.tiers.tiered.store import TieredStore
@@ -64,6 +64,15 @@ def hit_alignment(config: ConnectorConfig, facts: EngineFacts) -> int:
         problem = rules_for(group.kind).alignment_problem(group, align)
         if problem:
             problems.append(f"group {group_id}: {problem}; leave hit_alignment_tokens unset")
+        elif group.kind is GroupKind.MAMBA and align > facts.alignment_tokens:
+            # A state exists only where an engine step ended, on the engine's alignment:
+            # on a coarser one most prompts would have no state to hit.
+            problems.append(
+                f"group {group_id} (mamba): hit_alignment_tokens={align} is coarser than the "
+                f"engine's alignment {facts.alignment_tokens}; Mamba states exist only where "
+                "the engine's steps end, so most prompts would never hit; leave "
+                "hit_alignment_tokens unset"
+            )
     if problems:
         raise ConfigError("kv_connector_extra_config: " + "; ".join(problems))
     return align

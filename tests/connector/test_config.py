@@ -15,10 +15,12 @@ from hybridkv.connector.config import (
     DEFAULT_SWITCH_INTERVAL_S,
     ConnectorConfig,
 )
+from hybridkv.connector.setup import EngineFacts, hit_alignment
 from hybridkv.connector.worker import lower_switch_interval
 from hybridkv.keys import HashAlgo
 from hybridkv.paths import default_cache_dir
 from hybridkv.schema import ConfigError
+from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tiers.cpu import CpuConfig
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.selection import Selection
@@ -177,3 +179,40 @@ def test_the_switch_interval_is_only_ever_lowered(switch_interval: float) -> Non
     assert sys.getswitchinterval() == pytest.approx(0.005)
     with pytest.raises(ConfigError, match="thread_switch_interval_s"):
         ConnectorConfig.from_dict({"thread_switch_interval_s": 0})
+
+
+def _facts(*groups: KVGroup) -> EngineFacts:
+    return EngineFacts(layout=KVLayoutSpec(groups=groups), alignment_tokens=32)
+
+
+def test_a_coarser_hit_alignment_is_taken_for_attention_groups() -> None:
+    facts = _facts(
+        KVGroup(kind=GroupKind.FULL, block_size=32, page_size_bytes=64, layer_names=("f",)),
+        KVGroup(
+            kind=GroupKind.SLIDING_WINDOW,
+            block_size=32,
+            page_size_bytes=64,
+            sliding_window=32,
+            layer_names=("s",),
+        ),
+    )
+    assert hit_alignment(ConnectorConfig.from_dict({}), facts) == 32
+    config = ConnectorConfig.from_dict({"hit_alignment_tokens": 128})
+    assert hit_alignment(config, facts) == 128
+    with pytest.raises(ConfigError, match="must be a multiple of the engine's alignment 32"):
+        hit_alignment(ConnectorConfig.from_dict({"hit_alignment_tokens": 48}), facts)
+
+
+def test_a_coarser_hit_alignment_is_refused_with_mamba_groups() -> None:
+    """Mamba states exist only where engine steps end: a coarser alignment would not hit."""
+    facts = _facts(
+        KVGroup(kind=GroupKind.FULL, block_size=32, page_size_bytes=64, layer_names=("f",)),
+        KVGroup(kind=GroupKind.MAMBA, block_size=32, page_size_bytes=64, layer_names=("m",)),
+    )
+    config = ConnectorConfig.from_dict({"hit_alignment_tokens": 128})
+    with pytest.raises(
+        ConfigError, match=r"group 1 \(mamba\): hit_alignment_tokens=128 is coarser"
+    ):
+        hit_alignment(config, facts)
+    same = ConnectorConfig.from_dict({"hit_alignment_tokens": 32})
+    assert hit_alignment(same, facts) == 32
