@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from functools import reduce
 from typing import Any
 
@@ -28,11 +29,14 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 
 from hybridkv.hits import Hit, find_longest_hit
 from hybridkv.spec import GroupKind, KVGroup
+from hybridkv.spec.presets import deepseek_v4_flash, deepseek_v4_pro
 from tests.support.hits import (
     chunked,
     full,
@@ -82,6 +86,7 @@ def vllm_hit(
     hash_block_size: int,
     use_eagle: bool,
     eagle_groups: frozenset[int] = frozenset(),
+    make_spec: Callable[[KVGroup], KVCacheSpec] = vllm_spec,
 ) -> Hit:
     """vLLM's answer: the engine's coordinator over a BlockPool caching ``stored``.
 
@@ -94,7 +99,7 @@ def vllm_hit(
         kv_cache_groups=[
             KVCacheGroupSpec(
                 layer_names=list(g.layer_names),
-                kv_cache_spec=vllm_spec(g),
+                kv_cache_spec=make_spec(g),
                 is_eagle_group=i in eagle_groups,
             )
             for i, g in enumerate(groups)
@@ -292,3 +297,124 @@ def test_layouts_we_reject_are_ones_vllm_rejects() -> None:
             vllm_hit(groups, [set(range(9))] * 2, 30, align, 4, use_eagle)
         with pytest.raises(ValueError, match="chunked local attention"):
             find_longest_hit(groups, 30, lambda g, ids: [True] * len(ids), use_eagle=use_eagle)
+
+
+# ---------------------------------------------------------------- DeepSeek-V4 layouts
+
+
+def mla_layer_spec(group: KVGroup, page: int) -> KVCacheSpec:
+    """One DeepSeek-V4 cache as vLLM specs it: MLA (full) or sliding-window MLA."""
+    mla: dict[str, Any] = {
+        "block_size": group.block_size,
+        "num_kv_heads": 1,
+        "head_size": 1,
+        "dtype": torch.int8,
+        "page_size_padded": group.block_size + page,
+    }
+    if group.kind is GroupKind.FULL:
+        return MLAAttentionSpec(**mla)
+    return SlidingWindowMLASpec(**mla, sliding_window=group.sliding_window)
+
+
+def scheduler_spec(group: KVGroup) -> KVCacheSpec:
+    """The group as the scheduler's coordinator sees it.
+
+    vLLM's grouping wraps a DeepSeek-V4 group's layers in ``UniformTypeKVCacheSpecs``,
+    but the engine core hands the scheduler only the first layer's spec
+    (``generate_scheduler_kv_cache_config``); the coordinator has no manager for the
+    wrapper. So two sliding groups of one window compare equal and are searched
+    together, and the MLA group is a ``FullAttentionSpec``, searched first and once.
+    """
+    return mla_layer_spec(group, group.page_sizes_bytes[0])
+
+
+def dsv4_variant(rng: random.Random) -> list[KVGroup]:
+    """Block sizes 256 / 64 / 64 / 4 / 8, windows 128 / 128 / 8 / 128 (or small ones),
+    the full group with mixed pages, the two 64-token groups of one spec or not."""
+    windows = [rng.choice([128, rng.randint(1, 200)]) for _ in range(4)]
+    if rng.random() < 0.5:
+        windows[1] = windows[0]
+    group_kinds = [
+        (256, None),
+        (64, windows[0]),
+        (64, windows[1]),
+        (4, windows[2]),
+        (8, windows[3]),
+    ]
+    groups = []
+    for i, (block_size, window) in enumerate(group_kinds):
+        names = tuple(f"g{i}.l{j}" for j in range(rng.randint(1, 3)))
+        pages = tuple(rng.choice([64, 1168, 8448]) for _ in names) if i == 0 else ()
+        page = max(pages) if pages else 64
+        groups.append(
+            KVGroup(
+                kind=GroupKind.FULL if window is None else GroupKind.SLIDING_WINDOW,
+                block_size=block_size,
+                page_size_bytes=page,
+                layer_names=names,
+                sliding_window=window,
+                layer_page_sizes_bytes=pages if len(set(pages)) > 1 else (),
+            )
+        )
+    order = [0, 1, 2, 3, 4]
+    rng.shuffle(order)
+    return [groups[i] for i in order]
+
+
+def tail_stores(rng: random.Random, groups: list[KVGroup], max_tokens: int) -> list[set[int]]:
+    """What vLLM keeps per 256-token segment: each window's tail before the boundary."""
+    end = rng.randint(0, max_tokens) // 256 * 256
+    stored = []
+    for g in groups:
+        keep = (
+            256
+            if g.sliding_window is None
+            else min(256, math.ceil(g.sliding_window / g.block_size) * g.block_size)
+        )
+        stored.append(
+            {
+                i
+                for i in range(end // g.block_size)
+                if (i + 1) * g.block_size % 256 > 256 - keep or (i + 1) * g.block_size % 256 == 0
+            }
+        )
+    return stored
+
+
+def test_deepseek_v4_layouts_match_vllm() -> None:
+    """The presets (MTP group flagged for EAGLE) and small variants, alignment 256,
+    hash blocks of 4 tokens: hits and each group's loaded blocks as vLLM's."""
+    rng = random.Random(0xD5F4)
+    seen = {"hits": 0, "eagle": 0, "tail": 0}
+    presets = [deepseek_v4_flash(mtp=True), deepseek_v4_pro(mtp=True)]
+    for case in range(300):
+        if case % 3 == 0:
+            layout = presets[case % 2]
+            groups = list(layout.groups)
+            mtp = 1  # the odd sliding layers' group holds the MTP layer
+        else:
+            groups = dsv4_variant(rng)
+            mtp = rng.randrange(len(groups))
+        use_eagle = rng.random() < 0.5
+        flagged = frozenset([mtp]) if use_eagle else frozenset()
+        max_hit_tokens = rng.randint(0, 3000)
+        if rng.random() < 0.3:
+            stored = tail_stores(rng, groups, max_hit_tokens)
+            seen["tail"] += 1
+        else:
+            stored = random_stores(
+                rng, groups, max_hit_tokens, ("dense", "dense", "holes", "prefix")
+            )
+        want = vllm_hit(groups, stored, max_hit_tokens, 256, 4, use_eagle, flagged, scheduler_spec)
+        got = find_longest_hit(
+            groups,
+            max_hit_tokens,
+            lambda g, ids: [i in stored[g] for i in ids],  # noqa: B023
+            alignment_tokens=256,
+            use_eagle=use_eagle,
+            eagle_group_ids=flagged or None,
+        )
+        assert got == want, (case, groups, max_hit_tokens, sorted(flagged))
+        seen["hits"] += got.num_tokens > 0
+        seen["eagle"] += use_eagle
+    assert min(seen.values()) > 40, seen

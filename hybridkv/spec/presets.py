@@ -202,72 +202,173 @@ def qwen3_next_80b_a3b() -> KVLayoutSpec:
     )
 
 
-DEEPSEEK_V4_PAGE_BYTES = 37_440
-"""64 rows x 584 bytes (fp8_ds_mla: 448 NoPE + 128 RoPE + 8 scale) = 37,376, padded to 576-byte
-alignment. An assumption, see ``deepseek_v4_flash``."""
+FP8_DS_MLA_ENTRY_BYTES = 584
+"""One fp8_ds_mla cache entry: 448 B fp8 NoPE + 128 B bf16 RoPE + 7 B scales + 1 B pad."""
+INDEXER_ENTRY_BYTES = 132
+"""One indexer K entry: 128 fp8 values + one fp32 scale."""
+FP32_BYTES = 4
+DEEPSEEK_V4_FLASH_RATIOS = (0, 0, *(4 if i % 2 == 0 else 128 for i in range(2, 43)))
+DEEPSEEK_V4_PRO_RATIOS = (128, 128, *(4 if i % 2 == 0 else 128 for i in range(2, 61)))
 
 
-def deepseek_v4_flash() -> KVLayoutSpec:
-    """DeepSeek-V4-Flash: five KV cache groups, block sizes 256 / 64 / 64 / 4 / 8.
+@dataclass(frozen=True, kw_only=True)
+class PackedLayer:
+    """One cache of a model whose groups pack different pages into one block."""
+
+    name: str
+    kind: GroupKind
+    block_size: int
+    page_size_bytes: int
+    sliding_window: int | None = None
+
+
+def deepseek_v4_caches(ratios: Sequence[int], *, mtp: bool) -> list[PackedLayer]:
+    """Every KV cache of a DeepSeek-V4 model, in the order vLLM registers them.
+
+    Per layer (vllm/models/deepseek_v4/attention.py, compressor.py): a CSA layer
+    (ratio 4) first builds its indexer (K cache, then its compressor state), then
+    every layer its sliding-window cache (64 tokens, window 128), then a compressed
+    layer its MLA cache (256 tokens, one entry per ``ratio`` tokens) and its
+    compressor state (4 tokens, window 8 for CSA; 8 tokens, window 128 for HCA).
+    The MTP layer (index ``len(ratios)``) has ratio 1: a sliding-window cache only.
+    """
+    caches: list[PackedLayer] = []
+    for i, ratio in enumerate([*ratios, 0] if mtp else ratios):
+        prefix = f"model.layers.{i}.attn"
+        if ratio == 4:
+            caches += [
+                _mla(f"{prefix}.indexer.k_cache", 64 * INDEXER_ENTRY_BYTES),
+                _state(f"{prefix}.indexer.compressor.state_cache", ratio, head_dim=128),
+            ]
+        caches.append(
+            PackedLayer(
+                name=f"{prefix}.swa_cache",
+                kind=GroupKind.SLIDING_WINDOW,
+                block_size=64,
+                page_size_bytes=64 * FP8_DS_MLA_ENTRY_BYTES,
+                sliding_window=128,
+            )
+        )
+        if ratio > 1:
+            caches += [
+                _mla(prefix, 256 // ratio * FP8_DS_MLA_ENTRY_BYTES),
+                _state(f"{prefix}.compressor.state_cache", ratio, head_dim=512),
+            ]
+    return caches
+
+
+def _mla(name: str, page: int) -> PackedLayer:
+    return PackedLayer(name=name, kind=GroupKind.FULL, block_size=256, page_size_bytes=page)
+
+
+def _state(name: str, ratio: int, *, head_dim: int) -> PackedLayer:
+    """Compressor state: fp32 KV and score, twice as wide for overlapping CSA windows."""
+    overlap = 2 if ratio == 4 else 1
+    block_size = 4 if ratio == 4 else 8
+    return PackedLayer(
+        name=name,
+        kind=GroupKind.SLIDING_WINDOW,
+        block_size=block_size,
+        page_size_bytes=block_size * 2 * overlap * head_dim * FP32_BYTES,
+        sliding_window=overlap * ratio,
+    )
+
+
+def group_packed_like_vllm(caches: Sequence[PackedLayer]) -> tuple[KVGroup, ...]:
+    """Groups as vLLM's ``_get_packed_kv_cache_groups`` makes them (block-outer layout).
+
+    Caches of one kind, block size and window form a bucket (first appearance
+    orders them). A bucket is balanced when each of its page sizes has as many
+    layers. Balanced buckets split into groups of ``repeats`` layers per page
+    size, ``repeats`` being the value >= the largest mixed-page balanced bucket
+    that pads the balanced buckets least (ties: the larger); other buckets stay
+    whole. No Mamba or circular-buffer buckets here (their split differs).
+    """
+    buckets: dict[tuple[object, ...], list[PackedLayer]] = {}
+    for cache in caches:
+        key = (cache.kind, cache.block_size, cache.sliding_window)
+        buckets.setdefault(key, []).append(cache)
+    by_page = [_by_page(bucket) for bucket in buckets.values()]
+    balanced = [len({len(v) for v in pages.values()}) == 1 for pages in by_page]
+    widths = [max(len(v) for v in pages.values()) for pages in by_page]
+    floor = max(
+        (w for w, b, p in zip(widths, balanced, by_page, strict=True) if b and len(p) > 1),
+        default=0,
+    )
+    counts = [w for w, b in zip(widths, balanced, strict=True) if b]
+    repeats = _least_padding(counts, floor) if floor else 0
+    groups: list[KVGroup] = []
+    for bucket, pages, is_balanced, width in zip(
+        buckets.values(), by_page, balanced, widths, strict=True
+    ):
+        num_groups = math.ceil(width / repeats) if is_balanced and repeats else 1
+        pattern = list(zip(*pages.values(), strict=True)) if num_groups > 1 else [tuple(bucket)]
+        for i in range(num_groups):
+            members = [c for repeat in pattern[i::num_groups] for c in repeat]
+            groups.append(_packed_group(members))
+    return tuple(groups)
+
+
+def _by_page(bucket: list[PackedLayer]) -> dict[int, list[PackedLayer]]:
+    pages: dict[int, list[PackedLayer]] = {}
+    for cache in bucket:
+        pages.setdefault(cache.page_size_bytes, []).append(cache)
+    return pages
+
+
+def _least_padding(counts: list[int], floor: int) -> int:
+    def padding(d: int) -> int:
+        return sum(-c % d for c in counts)
+
+    return min(range(floor, max(max(counts), floor) + 1), key=lambda d: (padding(d), -d))
+
+
+def _packed_group(members: list[PackedLayer]) -> KVGroup:
+    first = members[0]
+    pages = tuple(c.page_size_bytes for c in members)
+    return KVGroup(
+        kind=first.kind,
+        block_size=first.block_size,
+        page_size_bytes=max(pages),
+        layer_names=tuple(c.name for c in members),
+        sliding_window=first.sliding_window,
+        layer_page_sizes_bytes=pages if len(set(pages)) > 1 else (),
+    )
+
+
+def deepseek_v4_flash(*, mtp: bool = False) -> KVLayoutSpec:
+    """DeepSeek-V4-Flash: 43 layers (+1 MTP layer), fp8_ds_mla KV, five KV cache groups.
 
     Layer facts checked against a copy of DeepSeek-V4-Flash's config.json in
     patrickbdevaney/deepseek-v4-flash-0731-cuda docs/config.json (a pruned
     derivative; the attention fields are the original's): 43 layers, head_dim 512,
     sliding_window 128, compress_ratios 0 for layers 0-1 then 4 (CSA, even layers
-    2-42, 21 layers) and 128 (HCA, odd layers 3-41, 20 layers). Cache kinds from
-    vLLM 0.32's vllm/models/deepseek_v4 (attention.py, compressor.py): every layer
-    has a 64-token sliding-window cache (window 128); compressed layers a
-    256-token MLA cache; CSA layers an indexer cache; compressor states use 4-token
-    (CSA, window 8) and 8-token (HCA, window 128) blocks.
-
-    Not verified (no DeepSeek-V4 engine here): how vLLM splits these caches into
-    the five groups and their exact padded pages. Assumed: group 0 = compressed
-    MLA + indexer caches (full attention over the compressed prefix), groups 1-2 =
-    the sliding-window caches of even / odd layers, group 3 = CSA compressor states
-    (attention and indexer), group 4 = HCA compressor states; every page padded to
-    one shared page of ``DEEPSEEK_V4_PAGE_BYTES`` (vLLM shares one tensor between
-    these caches, so their pages must match).
+    2-42, 21 layers) and 128 (HCA, odd layers 3-41, 20 layers); index_head_dim 128.
+    Caches and pages from vLLM 0.32's model code (``deepseek_v4_caches``); real
+    (unpadded) pages. Grouping checked by running vLLM's own ``get_kv_cache_groups``
+    on these specs (tests/spec/test_deepseek_v4_vllm.py): sliding-window caches of
+    even / odd layers (block 64; the MTP layer joins the odd group), the compressed
+    MLA + indexer caches (block 256), CSA states (block 4), HCA states (block 8).
     """
-    page = DEEPSEEK_V4_PAGE_BYTES
-    csa = [i for i in range(2, 43) if i % 2 == 0]
-    hca = [i for i in range(2, 43) if i % 2 == 1]
-    compressed = sorted(csa + hca)
-    groups = (
-        KVGroup(
-            kind=GroupKind.FULL,
-            block_size=256,
-            page_size_bytes=page,
-            layer_names=tuple(f"model.layers.{i}.attn" for i in compressed)
-            + tuple(f"model.layers.{i}.attn.indexer.k_cache" for i in csa),
-        ),
-        _swa_group(range(0, 43, 2), page),
-        _swa_group(range(1, 43, 2), page),
-        KVGroup(
-            kind=GroupKind.SLIDING_WINDOW,
-            block_size=4,
-            page_size_bytes=page,
-            sliding_window=8,
-            layer_names=tuple(f"model.layers.{i}.attn.compressor.state_cache" for i in csa)
-            + tuple(f"model.layers.{i}.attn.indexer.compressor.state_cache" for i in csa),
-        ),
-        KVGroup(
-            kind=GroupKind.SLIDING_WINDOW,
-            block_size=8,
-            page_size_bytes=page,
-            sliding_window=128,
-            layer_names=tuple(f"model.layers.{i}.attn.compressor.state_cache" for i in hca),
-        ),
+    caches = deepseek_v4_caches(DEEPSEEK_V4_FLASH_RATIOS, mtp=mtp)
+    return KVLayoutSpec(
+        groups=group_packed_like_vllm(caches), model_id="deepseek-ai/DeepSeek-V4-Flash"
     )
-    return KVLayoutSpec(groups=groups, model_id="deepseek-ai/DeepSeek-V4-Flash")
 
 
-def _swa_group(layer_ids: range, page: int) -> KVGroup:
-    return KVGroup(
-        kind=GroupKind.SLIDING_WINDOW,
-        block_size=64,
-        page_size_bytes=page,
-        sliding_window=128,
-        layer_names=tuple(f"model.layers.{i}.attn.swa_cache" for i in layer_ids),
+def deepseek_v4_pro(*, mtp: bool = False) -> KVLayoutSpec:
+    """DeepSeek-V4-Pro: 61 layers (+1 MTP layer), 30 CSA and 31 HCA, no sliding-only layer.
+
+    Checked against a public copy of deepseek-ai/DeepSeek-V4-Pro's config.json with
+    its weight listing: num_hidden_layers 61, head_dim 512, sliding_window 128,
+    index_head_dim 128, compress_ratios [128, 128, then 4 / 128 alternating from
+    layer 2 (even: 4), ..., 4, 0] (62 entries, the last the MTP layer's); indexer
+    weights on 30 layers (2-60 even). Grouped as for Flash; the HCA state bucket
+    comes before the CSA one (layer 0 is HCA), so the last two groups swap.
+    """
+    caches = deepseek_v4_caches(DEEPSEEK_V4_PRO_RATIOS, mtp=mtp)
+    return KVLayoutSpec(
+        groups=group_packed_like_vllm(caches), model_id="deepseek-ai/DeepSeek-V4-Pro"
     )
 
 
@@ -276,6 +377,7 @@ PRESETS: dict[str, Callable[[], KVLayoutSpec]] = {
     "gpt-oss-20b": gpt_oss_20b,
     "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
     "deepseek-v4-flash": deepseek_v4_flash,
+    "deepseek-v4-pro": deepseek_v4_pro,
 }
 
 

@@ -65,8 +65,8 @@ def test_deepseek_v4_flash_numbers_match_enumeration() -> None:
     layout = deepseek_v4_flash()
     report = compute_report(layout, hit_tokens=4096)
     expected_blocks = [brute_hybrid_blocks(g, 4096) for g in layout.groups]
-    assert [g.hybrid_blocks for g in report.groups] == expected_blocks == [16, 2, 2, 2, 16]
-    assert [g.blind_blocks for g in report.groups] == [16, 64, 64, 1024, 512]
+    assert [g.hybrid_blocks for g in report.groups] == expected_blocks == [2, 2, 16, 2, 16]
+    assert [g.blind_blocks for g in report.groups] == [64, 64, 16, 1024, 512]
 
 
 def test_deepseek_v4_flash_stores_vllms_tail_per_segment() -> None:

@@ -20,13 +20,13 @@ from vllm.v1.kv_cache_interface import (
 
 from hybridkv.spec import GroupKind, KVLayoutSpec
 from hybridkv.spec.presets import (
-    DEEPSEEK_V4_PAGE_BYTES,
     PRESETS,
     QWEN3_NEXT_STATE_BYTES,
     LayerKV,
     attention_block_size_for_state,
     attention_page_size_bytes,
     deepseek_v4_flash,
+    deepseek_v4_pro,
     gemma3_27b,
     gpt_oss_20b,
     group_layers_like_vllm,
@@ -59,6 +59,7 @@ def ours(layout: KVLayoutSpec) -> list[tuple[str, list[str], int]]:
 def test_preset_names() -> None:
     assert sorted(PRESETS) == [
         "deepseek-v4-flash",
+        "deepseek-v4-pro",
         "gemma3-27b",
         "gpt-oss-20b",
         "qwen3-next-80b-a3b",
@@ -181,15 +182,31 @@ def test_qwen3_next_80b_a3b_matches_vllm() -> None:
 
 def test_deepseek_v4_flash_has_five_groups_of_the_noted_block_sizes() -> None:
     layout = deepseek_v4_flash()
-    assert layout.block_sizes == (256, 64, 64, 4, 8)
+    assert layout.block_sizes == (64, 64, 256, 4, 8)
     assert (layout.scheduler_block_size, layout.hash_block_size) == (256, 4)
-    assert [g.kind for g in layout.groups] == [GroupKind.FULL] + [GroupKind.SLIDING_WINDOW] * 4
-    assert [g.sliding_window for g in layout.groups] == [None, 128, 128, 8, 128]
-    # 41 compressed layers + 21 CSA indexers; 43 sliding-window caches split even/odd;
+    assert [g.kind for g in layout.groups] == [GroupKind.SLIDING_WINDOW] * 2 + [GroupKind.FULL] + [
+        GroupKind.SLIDING_WINDOW
+    ] * 2
+    assert [g.sliding_window for g in layout.groups] == [128, 128, None, 8, 128]
+    # 43 sliding-window caches split even/odd; 41 compressed layers + 21 CSA indexers;
     # 21 CSA attention + 21 CSA indexer compressor states; 20 HCA compressor states.
-    assert [g.num_layers for g in layout.groups] == [62, 22, 21, 42, 20]
-    assert {g.page_size_bytes for g in layout.groups} == {DEEPSEEK_V4_PAGE_BYTES}
-    assert DEEPSEEK_V4_PAGE_BYTES % 576 == 0 and 0 <= DEEPSEEK_V4_PAGE_BYTES - 64 * 584 < 576
+    assert [g.num_layers for g in layout.groups] == [22, 21, 62, 42, 20]
+    mla = layout.groups[2]
+    assert sorted(set(mla.page_sizes_bytes)) == [2 * 584, 64 * 132, 64 * 584]
+    assert mla.block_bytes == 21 * 64 * 584 + 21 * 64 * 132 + 20 * 2 * 584
+    assert layout.groups[3].block_bytes == 21 * (4 * 2048 * 4) + 21 * (4 * 512 * 4)
+    # The MTP layer is sliding-window only and joins the odd layers' group.
+    with_mtp = deepseek_v4_flash(mtp=True)
+    assert with_mtp.groups[1].layer_names[-1] == "model.layers.43.attn.swa_cache"
+    assert [g.num_layers for g in with_mtp.groups] == [22, 22, 62, 42, 20]
+
+
+def test_deepseek_v4_pro_has_no_sliding_only_layers_and_swaps_the_state_groups() -> None:
+    layout = deepseek_v4_pro()
+    assert layout.block_sizes == (64, 64, 256, 8, 4)
+    # 61 sliding caches; 61 compressed + 30 indexers; 31 HCA states; 30 + 30 CSA states.
+    assert [g.num_layers for g in layout.groups] == [31, 30, 91, 31, 60]
+    assert "model.layers.0.attn" in layout.groups[2].layer_names
 
 
 # ---------------------------------------------------------------- the grouping rule itself

@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import (
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 
 from hybridkv.connector.setup import EngineFacts
@@ -37,22 +38,67 @@ _KINDS: dict[type, GroupKind] = {
 """Exact spec classes we serve; subclasses with other semantics are refused."""
 
 
-def _group_problems(group_id: int, group: Any, mamba_mode: str | None) -> list[str]:
+def _layer_specs(group: Any) -> dict[str, Any]:
+    """Each layer's spec: a ``UniformTypeKVCacheSpecs`` group lists them, any other
+    group has one spec for all its layers."""
     spec = group.kv_cache_spec
-    name = type(spec).__name__
-    where = f"KV cache group {group_id} ({name}, layers {list(group.layer_names)[:3]}...)"
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return {name: spec.kv_cache_specs[name] for name in group.layer_names}
+    return dict.fromkeys(group.layer_names, spec)
+
+
+def _spec_params(spec: Any) -> tuple[Any, ...]:
+    """What must agree between a group's layers: kind, block size, window, chunk."""
+    return (
+        _KINDS.get(type(spec)),
+        spec.block_size,
+        getattr(spec, "sliding_window", None),
+        getattr(spec, "attention_chunk_size", None),
+    )
+
+
+def _mixed_layer_problem(where: str, group: Any) -> str | None:
+    """A per-layer spec group whose layers are not one hybridkv kind with one block
+    size, window and chunk size (vLLM's grouping never makes one; refuse if it does)."""
+    by_params: dict[tuple[Any, ...], list[str]] = {}
+    for name, spec in _layer_specs(group).items():
+        by_params.setdefault(_spec_params(spec), []).append(name)
+    if len(by_params) <= 1:
+        return None
+    found = "; ".join(
+        f"{layers[:2]}: {type(_layer_specs(group)[layers[0]]).__name__} "
+        f"block_size={params[1]} sliding_window={params[2]} attention_chunk_size={params[3]}"
+        for params, layers in by_params.items()
+    )
+    return (
+        f"{where}: its layers' specs differ ({found}); hybridkv needs every layer of a "
+        "group to have the same kind, block size, window and chunk size"
+    )
+
+
+def _group_problems(group_id: int, group: Any, mamba_mode: str | None) -> list[str]:
+    outer = type(group.kv_cache_spec).__name__
+    where = f"KV cache group {group_id} ({outer}, layers {list(group.layer_names)[:3]}...)"
     problems = []
-    kind = _KINDS.get(type(spec))
-    if name == "CrossAttentionSpec":
-        problems.append(f"{where}: cross-attention (encoder-decoder) groups are not supported")
-    elif kind is None:
-        allowed = sorted(cls.__name__ for cls in _KINDS)
-        problems.append(f"{where}: spec {name} is not supported; supported specs: {allowed}")
-    if isinstance(spec, SlidingWindowMLASpec) and spec.bounded_replay:
+    specs = _layer_specs(group)
+    if not specs:
+        problems.append(f"{where}: the group has no layers")
+    for cls in sorted({type(spec) for spec in specs.values()}, key=lambda c: c.__name__):
+        name = cls.__name__
+        if name == "CrossAttentionSpec":
+            problems.append(f"{where}: cross-attention (encoder-decoder) groups are not supported")
+        elif cls not in _KINDS:
+            allowed = sorted(c.__name__ for c in _KINDS)
+            problems.append(f"{where}: spec {name} is not supported; supported specs: {allowed}")
+    mixed = _mixed_layer_problem(where, group)
+    if mixed:
+        problems.append(mixed)
+    if any(isinstance(s, SlidingWindowMLASpec) and s.bounded_replay for s in specs.values()):
         problems.append(f"{where}: bounded-replay sliding windows are not supported")
-    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode != "align":
+    modes = {s.mamba_cache_mode for s in specs.values() if isinstance(s, MambaSpec)}
+    if modes - {"align"}:
         problems.append(
-            f"{where}: Mamba cache mode is {spec.mamba_cache_mode!r}; hybridkv needs "
+            f"{where}: Mamba cache mode is {sorted(modes - {'align'})[0]!r}; hybridkv needs "
             "'align': enable prefix caching (with it off vLLM uses 'none' whatever "
             f"--mamba-cache-mode says; engine setting: {mamba_mode!r})"
         )
@@ -84,7 +130,7 @@ def check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
         problems.append(
             f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported; use 1"
         )
-    mamba_specs = [g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    mamba_specs = [s for g in groups for s in _layer_specs(g).values() if isinstance(s, MambaSpec)]
     if mamba_specs and (
         getattr(vllm_config, "speculative_config", None) is not None
         or any(s.num_speculative_blocks or s.num_prefill_checkpoint_blocks for s in mamba_specs)
@@ -106,21 +152,29 @@ def page_size_bytes(spec: Any) -> int:
 
 
 def layout_from_config(kv_cache_config: Any, model_id: str) -> KVLayoutSpec:
-    """vLLM's groups as a ``KVLayoutSpec`` (call ``check_engine`` first)."""
+    """vLLM's groups as a ``KVLayoutSpec`` (call ``check_engine`` first).
+
+    A ``UniformTypeKVCacheSpecs`` group (DeepSeek-V4: compressed MLA + indexer
+    caches, compressor states) keeps each layer's real page, in ``layer_names``
+    order; when they are all equal the group is an ordinary uniform-page group.
+    """
     groups = []
     for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
+        specs = _layer_specs(group)
+        spec = next(iter(specs.values()))
         kind = _KINDS[type(spec)]
+        pages = tuple(page_size_bytes(s) for s in specs.values())
         groups.append(
             KVGroup(
                 kind=kind,
                 block_size=int(spec.block_size),
-                page_size_bytes=page_size_bytes(spec),
-                layer_names=tuple(group.layer_names),
+                page_size_bytes=max(pages),
+                layer_names=tuple(specs),
                 sliding_window=spec.sliding_window if kind is GroupKind.SLIDING_WINDOW else None,
                 attention_chunk_size=(
                     spec.attention_chunk_size if kind is GroupKind.CHUNKED_LOCAL else None
                 ),
+                layer_page_sizes_bytes=pages if len(set(pages)) > 1 else (),
             )
         )
     hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or 0

@@ -13,8 +13,12 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheTensor,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 
 from hybridkv.integrations.vllm.facts import check_engine, eagle_drafting, layout_from_config
@@ -95,3 +99,72 @@ def test_without_speculative_decoding_no_block_is_dropped() -> None:
         attention(SlidingWindowSpec, sliding_window=32), attention(FullAttentionSpec)
     )
     assert eagle_drafting(engine_config(), config) == (False, frozenset())
+
+
+def test_deepseek_v4_per_layer_spec_groups_keep_each_layers_real_page() -> None:
+    def mla(head_size: int, ratio: int) -> MLAAttentionSpec:
+        return MLAAttentionSpec(
+            block_size=256,
+            num_kv_heads=1,
+            head_size=head_size,
+            dtype=torch.uint8,
+            tokens_per_state=ratio,
+            alignment=576,
+        )
+
+    state = SlidingWindowMLASpec(
+        block_size=8, num_kv_heads=1, head_size=1024, dtype=torch.float32, sliding_window=128
+    )
+    compressed = {
+        "l2.attn.indexer.k_cache": mla(132, 4),
+        "l2.attn": mla(584, 4),
+        "l3.attn": mla(584, 128),
+    }
+    states = {"l3.attn.compressor.state_cache": state, "l5.attn.compressor.state_cache": state}
+    groups = [
+        KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size=bs, kv_cache_specs=specs))
+        for specs, bs in ((compressed, 256), (states, 8))
+    ]
+    groups[1].is_eagle_group = True
+    config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[KVCacheTensor(size=0, layers=[], layer_stride=1, block_stride=1)],
+        kv_cache_groups=groups,
+        hash_block_size=4,
+    )
+    check_engine(engine_config(), config)
+    layout = layout_from_config(config, "m")
+    mixed, window = layout.groups
+    assert mixed.kind is GroupKind.FULL and mixed.block_size == 256
+    # Real pages (64 x 132, 64 x 584, 2 x 584), not the 576-aligned ones vLLM allocates.
+    assert mixed.page_sizes_bytes == (8448, 37376, 1168)
+    assert compressed["l3.attn"].page_size_bytes == 1728
+    assert mixed.layer_names == ("l2.attn.indexer.k_cache", "l2.attn", "l3.attn")
+    # Equal pages: an ordinary group, searched with any other group of its spec.
+    assert window.kind is GroupKind.SLIDING_WINDOW and window.sliding_window == 128
+    assert window.layer_page_sizes_bytes == () and window.page_size_bytes == 8 * 1024 * 4
+    assert layout.hash_block_size == 4 and layout.scheduler_block_size == 256
+
+
+def test_per_layer_spec_groups_mixing_kinds_or_windows_are_refused() -> None:
+    def swa(window: int) -> SlidingWindowMLASpec:
+        return SlidingWindowMLASpec(
+            block_size=32, num_kv_heads=1, head_size=32, dtype=torch.float32, sliding_window=window
+        )
+
+    specs: dict[str, object] = {
+        "a.attn": swa(8),
+        "b.attn": swa(128),
+        "c.attn": attention(CrossAttentionSpec),
+    }
+    group = KVCacheGroupSpec(
+        list(specs), UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs=specs)
+    )
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group])
+    with pytest.raises(ValueError) as info:
+        check_engine(engine_config(), config)
+    message = str(info.value)
+    assert "group 0 (UniformTypeKVCacheSpecs" in message and "cross-attention" in message
+    assert "['a.attn']: SlidingWindowMLASpec block_size=32 sliding_window=8" in message
+    assert "['b.attn']: SlidingWindowMLASpec block_size=32 sliding_window=128" in message
+    assert "['c.attn']: CrossAttentionSpec" in message
