@@ -19,7 +19,11 @@ pytest.importorskip("vllm")
 
 import torch
 from vllm.config import CacheConfig, VllmConfig
-from vllm.v1.core.kv_cache_utils import _annotate_eagle_groups, get_kv_cache_groups
+from vllm.v1.core.kv_cache_utils import (
+    _annotate_eagle_groups,
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_groups,
+)
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
@@ -168,6 +172,30 @@ def test_preset_is_vllms_grouping(name: str, ratios: Any, preset: Any, mtp: bool
     mtp_swa = f"model.layers.{len(ratios)}.attn.swa_cache"
     assert flagged == ([1] if mtp else [])
     assert (mtp_swa in ours.groups[1].layer_names) is mtp
+
+
+@pytest.mark.parametrize(("name", "ratios", "preset"), PRESETS, ids=[p[0] for p in PRESETS])
+def test_scheduler_and_workers_name_blocks_alike(name: str, ratios: Any, preset: Any) -> None:
+    """vLLM's engine core hands its scheduler each per-layer group as its first layer's
+    spec (``generate_scheduler_kv_cache_config``); the workers keep every page. Both
+    sides' layouts must give the same store keys, and the same hit-search specs."""
+    config = VllmConfig(cache_config=CacheConfig(block_size=256))
+    config.cache_config.kv_cache_layout = "BLHNC"
+    groups = get_kv_cache_groups(config, vllm_specs(ratios, mtp=True))
+    worker_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    scheduler_config = generate_scheduler_kv_cache_config([worker_config])
+    worker = layout_from_config(worker_config, "m")
+    scheduler = layout_from_config(scheduler_config, "m")
+    assert any(g.layer_page_sizes_bytes for g in worker.groups)
+    assert not any(g.layer_page_sizes_bytes for g in scheduler.groups)
+    assert scheduler.fingerprint == worker.fingerprint
+    for mine, theirs in zip(worker.groups, scheduler.groups, strict=True):
+        assert (mine.kind, mine.block_size, mine.sliding_window, mine.layer_names) == (
+            theirs.kind,
+            theirs.block_size,
+            theirs.sliding_window,
+            theirs.layer_names,
+        )
 
 
 # Per 256-token segment, vLLM keeps only the tail blocks a later 256-aligned hit can
