@@ -11,7 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hybridkv.tools.pool import LocalPool
+from hybridkv.tools.pool import (
+    DEFAULT_EVICTION_HIGH_WATERMARK,
+    DEFAULT_EVICTION_RATIO,
+    VALKEY_POLICIES,
+    LocalPool,
+)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +27,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "lends to the pool (default 1GiB)")  # fmt: skip
     parser.add_argument("--valkey", action="store_true", help="also start a valkey-server")
     parser.add_argument("--valkey-maxmemory", default="1GiB", help="valkey-server maxmemory")
+    parser.add_argument("--valkey-policy", default="allkeys-lru", choices=VALKEY_POLICIES,
+                        help="valkey-server maxmemory-policy (default allkeys-lru)")  # fmt: skip
+    parser.add_argument("--eviction-high-watermark", type=float,
+                        default=DEFAULT_EVICTION_HIGH_WATERMARK, help="share of the Mooncake "
+                        "pool used before the master evicts (default %(default)s)")  # fmt: skip
+    parser.add_argument("--eviction-ratio", type=float, default=DEFAULT_EVICTION_RATIO,
+                        help="share of the Mooncake objects one eviction pass removes, least "
+                        "recently used first (default %(default)s)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -33,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     pool = LocalPool.load(args.run_dir)
     report = pool.status()
     print(json.dumps(report, indent=2) if args.json else _describe_status(pool, report))
-    alive = [info["alive"] for role, info in report.items() if role != "pool"]
+    alive = [report[role.value]["alive"] for role in pool.servers]
     return 0 if all(alive) else 1
 
 
@@ -52,6 +65,9 @@ def _up(args: argparse.Namespace) -> int:
             segment_bytes=sizes["segment_size"] or 0,
             valkey=args.valkey,
             valkey_maxmemory_bytes=sizes["valkey_maxmemory"] or 0,
+            valkey_policy=args.valkey_policy,
+            eviction_high_watermark=args.eviction_high_watermark,
+            eviction_ratio=args.eviction_ratio,
         )
     except RuntimeError as exc:
         print(f"hybridkv pool up: failed: {exc}")
@@ -99,6 +115,7 @@ def _describe_status(pool: LocalPool, report: dict[str, Any]) -> str:
         lines.append(
             f"  {role.value:7} pid {info['pid']}  {'running' if info['alive'] else 'DOWN'}"
         )
-    if "pool" in report:
-        lines.append("  " + ", ".join(f"{k} {v}" for k, v in report["pool"].items()))
+    for name in ("pool", "valkey_pool"):
+        if name in report:
+            lines.append(f"  {name}: " + ", ".join(f"{k} {v}" for k, v in report[name].items()))
     return "\n".join(lines)

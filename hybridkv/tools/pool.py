@@ -28,6 +28,7 @@ from hybridkv.tools.servers import (
     mooncake_binary,
     read_metrics,
     valkey_binary,
+    valkey_info,
     valkey_ping,
     wait_until,
 )
@@ -35,6 +36,31 @@ from hybridkv.tools.servers import (
 STATE_FILE = "pool.json"
 DEFAULT_SEGMENT_BYTES = 1 << 30
 DEFAULT_VALKEY_MAXMEMORY_BYTES = 1 << 30
+DEFAULT_EVICTION_HIGH_WATERMARK = 0.8
+"""The master evicts once this share of the pool is used: the headroom above it
+absorbs a burst of stores between two eviction passes (Mooncake's default 0.9)."""
+DEFAULT_EVICTION_RATIO = 0.2
+"""Share of the objects one eviction pass removes, least recently used first
+(Mooncake's default 0.05 frees too little to keep up with a burst)."""
+VALKEY_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random", "noeviction")
+
+_MOONCAKE_FIGURES = (
+    ("total_capacity_bytes", "master_total_capacity_bytes"),
+    ("allocated_bytes", "master_allocated_bytes"),
+    ("key_count", "master_key_count"),
+    ("evicted_keys", "master_evicted_key_count"),
+    ("refused_puts", "master_put_start_alloc_failures_total"),
+)
+"""``status()``'s pool figures: name -> the master's metric."""
+_VALKEY_FIGURES = (
+    ("used_memory_bytes", "used_memory"),
+    ("maxmemory_bytes", "maxmemory"),
+    ("evicted_keys", "evicted_keys"),
+)
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
 
 
 @dataclass(kw_only=True)
@@ -58,18 +84,32 @@ class LocalPool:
         valkey_maxmemory_bytes: int = DEFAULT_VALKEY_MAXMEMORY_BYTES,
         valkey_policy: str = "allkeys-lru",
         valkey_password: str | None = None,
+        eviction_high_watermark: float = DEFAULT_EVICTION_HIGH_WATERMARK,
+        eviction_ratio: float = DEFAULT_EVICTION_RATIO,
         client_ttl_s: int = 10,
         ready_timeout_s: float = 30.0,
     ) -> Self:
         """Start the servers, wait until they serve, write the state file.
 
-        ``client_ttl_s`` is how long the master keeps a silent daemon's memory
-        listed (Mooncake's default 10 s; tests shorten it).
+        ``eviction_high_watermark`` and ``eviction_ratio`` are the master's
+        eviction settings (see the constants); ``valkey_policy`` is Valkey's
+        ``maxmemory-policy``. ``client_ttl_s`` is how long the master keeps a
+        silent daemon's memory listed (Mooncake's default 10 s; tests shorten it).
         """
         run_dir = (run_dir or default_run_dir()).expanduser().resolve()
         problems = [] if mooncake or valkey else ["nothing to start: mooncake and valkey are off"]
         if segment_bytes < 1 << 20:
             problems.append(f"segment_bytes={segment_bytes}: must be >= 1 MiB")
+        for name, ratio in (
+            ("eviction_high_watermark", eviction_high_watermark),
+            ("eviction_ratio", eviction_ratio),
+        ):
+            if not 0 < ratio <= 1:
+                problems.append(f"{name}={ratio}: must be in (0, 1], e.g. 0.8")
+        if valkey_policy not in VALKEY_POLICIES:
+            problems.append(
+                f"valkey_policy={valkey_policy!r}: must be one of {', '.join(VALKEY_POLICIES)}"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         with contextlib.suppress(FileNotFoundError):
@@ -84,7 +124,8 @@ class LocalPool:
         pool.valkey_password = valkey_password
         if mooncake:
             pool.ports.update(master=free_port(), metrics=free_port(), daemon=free_port())
-            pool._add(ServerRole.MASTER, pool._master_argv(client_ttl_s))
+            eviction = (eviction_high_watermark, eviction_ratio)
+            pool._add(ServerRole.MASTER, pool._master_argv(client_ttl_s, eviction))
             pool._add(ServerRole.DAEMON, pool._daemon_argv())
         if valkey:
             pool.ports["valkey"] = free_port()
@@ -203,8 +244,13 @@ class LocalPool:
         }
         if "metrics" in self.ports:
             metrics = read_metrics(self.ports["metrics"]) or {}
-            names = ("master_total_capacity_bytes", "master_allocated_bytes", "master_key_count")
-            report["pool"] = {name.removeprefix("master_"): metrics.get(name) for name in names}
+            report["pool"] = {name: metrics.get(metric) for name, metric in _MOONCAKE_FIGURES}
+        if "valkey" in self.ports:
+            info = valkey_info(self.valkey_port, self.valkey_password)
+            figures = {name: _int_or_none(info.get(field)) for name, field in _VALKEY_FIGURES}
+            # errorstat_OOM:count=N counts the writes refused for memory.
+            oom = info.get("errorstat_OOM", "count=0").partition("count=")[2].split(",")[0]
+            report["valkey_pool"] = figures | {"refused_puts": _int_or_none(oom) if info else None}
         return report
 
     def write_state(self) -> None:
@@ -234,7 +280,8 @@ class LocalPool:
         log_path = self.run_dir / "logs" / f"{role.value}.log"
         self.servers[role] = Server(role=role, argv=argv, log_path=log_path)
 
-    def _master_argv(self, client_ttl_s: int) -> list[str]:
+    def _master_argv(self, client_ttl_s: int, eviction: tuple[float, float]) -> list[str]:
+        high_watermark, ratio = eviction
         return [
             str(mooncake_binary("mooncake_master")),
             f"--rpc_address={HOST}",
@@ -242,6 +289,8 @@ class LocalPool:
             f"--metrics_host={HOST}",
             f"--metrics_port={self.ports['metrics']}",
             f"--client_ttl={client_ttl_s}",
+            f"--eviction_high_watermark_ratio={high_watermark}",
+            f"--eviction_ratio={ratio}",
         ]
 
     def _daemon_argv(self) -> list[str]:

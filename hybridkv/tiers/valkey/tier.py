@@ -232,6 +232,10 @@ class ValkeyTier(Tier):
         if answer is None:
             return PutStatus.EXISTS
         if isinstance(answer, ErrorReply) and answer.message.startswith("OOM"):
+            self._log.warning(
+                "full", "the server refused stores: %s; they are skipped and counted (fix: "
+                "maxmemory-policy allkeys-lru, or a larger maxmemory)", answer.message,
+            )  # fmt: skip
             self._bump(put_skipped_full=1)
             return PutStatus.FULL
         self._log.warning("store", "a SET answered %r", answer)
