@@ -35,6 +35,7 @@ from hybridkv.tools.servers import (
 
 STATE_FILE = "pool.json"
 DEFAULT_SEGMENT_BYTES = 1 << 30
+MIN_SEGMENT_BYTES = 16 << 20
 DEFAULT_VALKEY_MAXMEMORY_BYTES = 1 << 30
 DEFAULT_EVICTION_HIGH_WATERMARK = 0.8
 """The master evicts once this share of the pool is used: the headroom above it
@@ -98,8 +99,10 @@ class LocalPool:
         """
         run_dir = (run_dir or default_run_dir()).expanduser().resolve()
         problems = [] if mooncake or valkey else ["nothing to start: mooncake and valkey are off"]
-        if segment_bytes < 1 << 20:
-            problems.append(f"segment_bytes={segment_bytes}: must be >= 1 MiB")
+        if segment_bytes < MIN_SEGMENT_BYTES:
+            problems.append(
+                f"segment_bytes={segment_bytes}: must be >= 16 MiB (the storage daemon's minimum)"
+            )
         for name, ratio in (
             ("eviction_high_watermark", eviction_high_watermark),
             ("eviction_ratio", eviction_ratio),
