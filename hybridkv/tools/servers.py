@@ -31,6 +31,8 @@ class ServerRole(enum.Enum):
     MASTER = "master"
     DAEMON = "daemon"
     VALKEY = "valkey"
+    VALKEY_SHARD = "valkey-shard"
+    """One primary of a Valkey Cluster (``LocalPool.shards``)."""
 
 
 def free_port() -> int:

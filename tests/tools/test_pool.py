@@ -142,3 +142,22 @@ def test_another_process_sees_and_stops_the_pool() -> None:
         loaded.stop()
         assert not any(server.alive() for server in pool.servers.values())
     assert not os.path.exists(pool.run_dir)
+
+
+def test_cli_up_starts_a_valkey_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "pool"
+    argv = ["pool", "up", "--run-dir", str(run_dir), "--segment-size", "16MiB", "--valkey"]
+    assert main([*argv, "--valkey-shards", "2", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    try:
+        entry = document["tiers"][1]
+        assert entry["kind"] == "valkey" and entry["cluster"] is True
+        with build_tier(parse_tier_config(entry)) as tier:
+            round_trip(tier)
+        assert main(["pool", "status", "--run-dir", str(run_dir), "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["valkey-shard-0"]["alive"] and status["valkey-shard-1"]["alive"]
+        pids = [status[f"valkey-shard-{i}"]["pid"] for i in range(2)]
+    finally:
+        assert main(["pool", "down", "--run-dir", str(run_dir)]) == 0
+    assert not any(pid_running(pid) for pid in pids)

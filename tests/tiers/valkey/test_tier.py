@@ -18,6 +18,7 @@ from redis.connection import Encoder, PythonRespSerializer
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import pack_header
 from hybridkv.tiers.registry import parse_tier_config
+from hybridkv.tiers.valkey.cluster import Node
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.protocol import Bulk, ErrorReply, ObjectPacker, ReplyReader, SplitValue
 from hybridkv.tiers.valkey.tier import ValkeyTier
@@ -88,7 +89,7 @@ def test_tls_and_auth_settings_reach_the_connections() -> None:
         ssl_ca_certs="/ca.pem", ssl_certfile="/c.pem", ssl_keyfile="/k.pem",
     )  # fmt: skip
     with ValkeyTier(config) as tls_tier:  # nothing is dialled until the first call
-        pool = tls_tier._pool
+        pool = tls_tier._node_pool(Node("127.0.0.1", 1))
         assert pool.connection_class is redis.SSLConnection
         kwargs = pool.connection_kwargs
         assert (kwargs["db"], kwargs["username"], kwargs["password"]) == (3, "u", "p")
