@@ -52,11 +52,7 @@ class SlotMap:
             ranges.append((int(start), int(end), node))
         return cls(ranges)
 
-    @property
-    def complete(self) -> bool:
-        """Whether every slot has a shard (else the cluster cannot take every key)."""
-        return -1 not in self._owner
-
     def node_of(self, key: str) -> Node | None:
+        """The shard serving ``key``'s slot; None while no shard does."""
         owner = self._owner[key_slot(key)]
         return None if owner < 0 else self.nodes[owner]

@@ -187,8 +187,6 @@ class ValkeyTier(Tier):
             pools = list(self._pools.values())
         for pool in pools:
             assert pool.connection_kwargs["retry"].get_retries() == 0, "retries would stall"
-        slots = self._slots
-        assert slots is None or slots.complete, "a slot map with unserved slots"
 
     def close(self) -> None:
         if not self._closed:

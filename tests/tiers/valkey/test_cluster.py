@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hybridkv.tiers.base import GetStatus, PutStatus
 from hybridkv.tiers.registry import parse_tier_config
-from hybridkv.tiers.valkey.cluster import key_slot
+from hybridkv.tiers.valkey.cluster import Node, SlotMap, key_slot
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.tier import ValkeyTier
 from hybridkv.tools.pool import LocalPool
@@ -142,3 +142,19 @@ def holders(shards: list[redis.Redis], key: str) -> list[int]:
 
 def _owner_of(slot: int) -> int:
     return next(i for i, (a, b) in enumerate(slot_ranges(NUM_SHARDS)) if a <= slot <= b)
+
+
+def test_slot_map_from_a_reply_with_gaps_and_unannounced_hosts() -> None:
+    reply = [[0, 99, [b"", 7001, b"id-a", []]], [200, 16383, [b"127.0.0.1", 7002, b"id-b"]]]
+    slots = SlotMap.from_reply(reply, "localhost")
+    by_slot: dict[int, str] = {}
+    for i in range(2000):  # keys until every region was seen
+        by_slot.setdefault(key_slot(f"k{i}"), f"k{i}")
+    for slot, key in by_slot.items():
+        expected = (
+            Node("localhost", 7001) if slot < 100
+            else None if slot < 200
+            else Node("127.0.0.1", 7002)
+        )  # fmt: skip
+        assert slots.node_of(key) == expected, (slot, key)
+    assert slots.nodes == [Node("127.0.0.1", 7002), Node("localhost", 7001)]
