@@ -9,6 +9,8 @@ Starts its own Mooncake master + storage daemon and valkey-server on
   already holds the values (no header, no checksum, no copy).
 * Valkey: ``ValkeyTier`` against a pipelined ``SET``/``GET`` of prebuilt
   ``bytes`` with the plain redis client (hiredis).
+* Valkey Cluster (3 primaries on 127.0.0.1): ``ValkeyTier`` with ``cluster``
+  against redis-py's ``RedisCluster`` pipeline (one pipeline per shard).
 
 Each repeat times one raw batch and one tier batch back to back (alternating
 which goes first) and keeps their ratio, so load from other processes hits
@@ -130,9 +132,12 @@ def mooncake_batches(pool: LocalPool, values: list[np.ndarray]) -> Arms:
 def valkey_batches(pool: LocalPool, values: list[np.ndarray]) -> Arms:
     import redis
 
-    raw = redis.Redis(host="127.0.0.1", port=pool.valkey_port)
+    cluster = bool(pool.shards)
+    raw: Any = (redis.RedisCluster if cluster else redis.Redis)(
+        host="127.0.0.1", port=pool.valkey_port
+    )
     blobs = [value.tobytes() for value in values]
-    tier = ValkeyTier(ValkeyConfig(port=pool.valkey_port))
+    tier = ValkeyTier(ValkeyConfig(port=pool.valkey_port, cluster=cluster))
     outs = [np.zeros(len(values[0]), dtype=np.uint8) for _ in values]
 
     def raw_set(keys: list[str]) -> None:
@@ -168,7 +173,7 @@ def valkey_batches(pool: LocalPool, values: list[np.ndarray]) -> Arms:
         tier.close()
         raw.close()
 
-    return raw_batch, {"valkey": tier_batch}, close
+    return raw_batch, {"valkey-3" if cluster else "valkey": tier_batch}, close
 
 
 def measure(raw_batch: Batch, tier_batch: Batch, num_values: int, repeat: int) -> dict[str, Any]:
@@ -222,14 +227,22 @@ def main() -> int:
     with (
         tempfile.TemporaryDirectory(prefix="hybridkv-bench-pool-") as run_dir,
         LocalPool.start(
-            Path(run_dir),
+            Path(run_dir) / "single",
             segment_bytes=segment_bytes,
             valkey=True,
             valkey_maxmemory_bytes=segment_bytes,
         ) as pool,
+        LocalPool.start(
+            Path(run_dir) / "cluster",
+            mooncake=False,
+            valkey=True,
+            valkey_maxmemory_bytes=segment_bytes,
+            valkey_shards=3,
+        ) as cluster,
     ):
-        for make in (mooncake_batches, valkey_batches):
-            raw_batch, compared, close = make(pool, values)
+        arms = ((mooncake_batches, pool), (valkey_batches, pool), (valkey_batches, cluster))
+        for make, running in arms:
+            raw_batch, compared, close = make(running, values)
             try:
                 for row, batch in compared.items():
                     results[row] = measure(raw_batch, batch, args.num_values, args.repeat)

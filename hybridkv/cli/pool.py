@@ -11,7 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hybridkv.tools.pool import LocalPool
+from hybridkv.tools.pool import (
+    DEFAULT_EVICTION_HIGH_WATERMARK,
+    DEFAULT_EVICTION_RATIO,
+    VALKEY_POLICIES,
+    LocalPool,
+)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +27,16 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "lends to the pool (default 1GiB)")  # fmt: skip
     parser.add_argument("--valkey", action="store_true", help="also start a valkey-server")
     parser.add_argument("--valkey-maxmemory", default="1GiB", help="valkey-server maxmemory")
+    parser.add_argument("--valkey-shards", type=int, default=1, help="more than 1: a Valkey "
+                        "Cluster of that many primaries on loopback (default 1)")  # fmt: skip
+    parser.add_argument("--valkey-policy", default="allkeys-lru", choices=VALKEY_POLICIES,
+                        help="valkey-server maxmemory-policy (default allkeys-lru)")  # fmt: skip
+    parser.add_argument("--eviction-high-watermark", type=float,
+                        default=DEFAULT_EVICTION_HIGH_WATERMARK, help="share of the Mooncake "
+                        "pool used before the master evicts (default %(default)s)")  # fmt: skip
+    parser.add_argument("--eviction-ratio", type=float, default=DEFAULT_EVICTION_RATIO,
+                        help="share of the Mooncake objects one eviction pass removes, least "
+                        "recently used first (default %(default)s)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -33,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     pool = LocalPool.load(args.run_dir)
     report = pool.status()
     print(json.dumps(report, indent=2) if args.json else _describe_status(pool, report))
-    alive = [info["alive"] for role, info in report.items() if role != "pool"]
+    alive = [info["alive"] for info in report.values() if "alive" in info]
     return 0 if all(alive) else 1
 
 
@@ -52,6 +67,10 @@ def _up(args: argparse.Namespace) -> int:
             segment_bytes=sizes["segment_size"] or 0,
             valkey=args.valkey,
             valkey_maxmemory_bytes=sizes["valkey_maxmemory"] or 0,
+            valkey_policy=args.valkey_policy,
+            valkey_shards=args.valkey_shards,
+            eviction_high_watermark=args.eviction_high_watermark,
+            eviction_ratio=args.eviction_ratio,
         )
     except RuntimeError as exc:
         print(f"hybridkv pool up: failed: {exc}")
@@ -69,6 +88,9 @@ def _describe_up(pool: LocalPool) -> Iterator[str]:
     yield f"pool up (state and logs in {pool.run_dir}):"
     for role, server in pool.servers.items():
         yield f"  {role.value:7} pid {server.pid}  log {server.log_path}"
+    for i, shard in enumerate(pool.shards):
+        port = pool.shard_ports[i]
+        yield f"  valkey shard {i} pid {shard.pid}  port {port}  log {shard.log_path}"
     yield f"  master at {pool.master_address}; daemon lends {pool.segment_bytes} bytes"
     yield "tiers entries (kv_connector_extra_config['tiers']):"
     for entry in pool.tier_configs():
@@ -94,11 +116,10 @@ def _down(args: argparse.Namespace) -> int:
 
 def _describe_status(pool: LocalPool, report: dict[str, Any]) -> str:
     lines = [f"pool in {pool.run_dir}:"]
-    for role in pool.servers:
-        info = report[role.value]
-        lines.append(
-            f"  {role.value:7} pid {info['pid']}  {'running' if info['alive'] else 'DOWN'}"
-        )
-    if "pool" in report:
-        lines.append("  " + ", ".join(f"{k} {v}" for k, v in report["pool"].items()))
+    for name, info in report.items():
+        if "alive" in info:
+            lines.append(f"  {name:7} pid {info['pid']}  {'running' if info['alive'] else 'DOWN'}")
+    for name in ("pool", "valkey_pool"):
+        if name in report:
+            lines.append(f"  {name}: " + ", ".join(f"{k} {v}" for k, v in report[name].items()))
     return "\n".join(lines)

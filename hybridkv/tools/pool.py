@@ -15,7 +15,7 @@ import os
 import signal
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
@@ -28,13 +28,53 @@ from hybridkv.tools.servers import (
     mooncake_binary,
     read_metrics,
     valkey_binary,
+    valkey_info,
     valkey_ping,
     wait_until,
 )
+from hybridkv.tools.valkey_cluster import shard_argv, start_cluster
 
 STATE_FILE = "pool.json"
 DEFAULT_SEGMENT_BYTES = 1 << 30
+MIN_SEGMENT_BYTES = 16 << 20
 DEFAULT_VALKEY_MAXMEMORY_BYTES = 1 << 30
+DEFAULT_EVICTION_HIGH_WATERMARK = 0.8
+"""The master evicts once this share of the pool is used: the headroom above it
+absorbs a burst of stores between two eviction passes (Mooncake's default 0.9)."""
+DEFAULT_EVICTION_RATIO = 0.2
+"""Share of the objects one eviction pass removes, least recently used first
+(Mooncake's default 0.05 frees too little to keep up with a burst)."""
+VALKEY_POLICIES = ("allkeys-lru", "allkeys-lfu", "allkeys-random", "noeviction")
+
+_MOONCAKE_FIGURES = (
+    ("total_capacity_bytes", "master_total_capacity_bytes"),
+    ("allocated_bytes", "master_allocated_bytes"),
+    ("key_count", "master_key_count"),
+    ("evicted_keys", "master_evicted_key_count"),
+    ("refused_puts", "master_put_start_alloc_failures_total"),
+)
+"""``status()``'s pool figures: name -> the master's metric."""
+_VALKEY_FIGURES = (
+    ("used_memory_bytes", "used_memory"),
+    ("maxmemory_bytes", "maxmemory"),
+    ("evicted_keys", "evicted_keys"),
+    ("refused_puts", "errorstat_OOM"),
+)
+"""``status()``'s Valkey figures, summed over shards: name -> its ``INFO`` field."""
+
+
+def _valkey_figures(ports: list[int], password: str | None) -> dict[str, int | None]:
+    infos = [valkey_info(port, password) for port in ports]
+    figures: dict[str, int | None] = {}
+    for name, field_name in _VALKEY_FIGURES:
+        # errorstat_OOM is "count=N,..." (absent until a write is refused).
+        default = "count=0" if field_name.startswith("errorstat") else ""
+        texts = [
+            info.get(field_name, default).removeprefix("count=").split(",")[0] for info in infos
+        ]
+        usable = all(infos) and all(text.isdigit() for text in texts)
+        figures[name] = sum(int(text) for text in texts) if usable else None
+    return figures
 
 
 @dataclass(kw_only=True)
@@ -45,6 +85,8 @@ class LocalPool:
     segment_bytes: int
     ports: dict[str, int]
     servers: dict[ServerRole, Server]
+    shards: list[Server] = field(default_factory=list)
+    """The primaries of a Valkey Cluster (``valkey_shards`` > 1), in slot order."""
     valkey_password: str | None = None
 
     @classmethod
@@ -58,18 +100,38 @@ class LocalPool:
         valkey_maxmemory_bytes: int = DEFAULT_VALKEY_MAXMEMORY_BYTES,
         valkey_policy: str = "allkeys-lru",
         valkey_password: str | None = None,
+        valkey_shards: int = 1,
+        eviction_high_watermark: float = DEFAULT_EVICTION_HIGH_WATERMARK,
+        eviction_ratio: float = DEFAULT_EVICTION_RATIO,
         client_ttl_s: int = 10,
         ready_timeout_s: float = 30.0,
     ) -> Self:
         """Start the servers, wait until they serve, write the state file.
 
-        ``client_ttl_s`` is how long the master keeps a silent daemon's memory
-        listed (Mooncake's default 10 s; tests shorten it).
+        ``eviction_high_watermark`` and ``eviction_ratio`` are the master's
+        eviction settings (see the constants); ``valkey_policy`` is Valkey's
+        ``maxmemory-policy``, for each of ``valkey_shards`` primaries (more than
+        one: a Valkey Cluster, slots split evenly). ``client_ttl_s`` is how long the master keeps a
+        silent daemon's memory listed (Mooncake's default 10 s; tests shorten it).
         """
         run_dir = (run_dir or default_run_dir()).expanduser().resolve()
         problems = [] if mooncake or valkey else ["nothing to start: mooncake and valkey are off"]
-        if segment_bytes < 1 << 20:
-            problems.append(f"segment_bytes={segment_bytes}: must be >= 1 MiB")
+        if segment_bytes < MIN_SEGMENT_BYTES:
+            problems.append(
+                f"segment_bytes={segment_bytes}: must be >= 16 MiB (the storage daemon's minimum)"
+            )
+        for name, ratio in (
+            ("eviction_high_watermark", eviction_high_watermark),
+            ("eviction_ratio", eviction_ratio),
+        ):
+            if not 0 < ratio <= 1:
+                problems.append(f"{name}={ratio}: must be in (0, 1], e.g. 0.8")
+        if valkey_policy not in VALKEY_POLICIES:
+            problems.append(
+                f"valkey_policy={valkey_policy!r}: must be one of {', '.join(VALKEY_POLICIES)}"
+            )
+        if valkey_shards < 1:
+            problems.append(f"valkey_shards={valkey_shards}: must be >= 1 (1: no cluster)")
         if problems:
             raise ValueError("; ".join(problems))
         with contextlib.suppress(FileNotFoundError):
@@ -84,15 +146,20 @@ class LocalPool:
         pool.valkey_password = valkey_password
         if mooncake:
             pool.ports.update(master=free_port(), metrics=free_port(), daemon=free_port())
-            pool._add(ServerRole.MASTER, pool._master_argv(client_ttl_s))
+            eviction = (eviction_high_watermark, eviction_ratio)
+            pool._add(ServerRole.MASTER, pool._master_argv(client_ttl_s, eviction))
             pool._add(ServerRole.DAEMON, pool._daemon_argv())
-        if valkey:
+        memory = ["--maxmemory", str(valkey_maxmemory_bytes), "--maxmemory-policy", valkey_policy]
+        if valkey and valkey_shards == 1:
             pool.ports["valkey"] = free_port()
-            argv = pool._valkey_argv(valkey_maxmemory_bytes, valkey_policy, valkey_password)
-            pool._add(ServerRole.VALKEY, argv)
+            pool._add(ServerRole.VALKEY, pool._valkey_argv(memory, valkey_password))
+        elif valkey:
+            pool._add_shards(valkey_shards, memory)
         try:
             for role in pool.servers:
                 pool._start_and_wait(role, ready_timeout_s)
+            if pool.shards:
+                pool._start_shards(ready_timeout_s)
         except BaseException:
             pool.stop()
             raise
@@ -108,13 +175,7 @@ class LocalPool:
             raise FileNotFoundError(f"no pool state in {run_dir} (start one: hybridkv pool up)")
         state = json.loads(path.read_text())
         servers = {
-            ServerRole(role): Server(
-                role=ServerRole(role),
-                argv=info["argv"],
-                log_path=Path(info["log"]),
-                pid=info["pid"],
-                start_ticks=info.get("start_ticks", 0),
-            )
+            ServerRole(role): _server(info, ServerRole(role))
             for role, info in state["servers"].items()
         }
         return cls(
@@ -122,6 +183,7 @@ class LocalPool:
             segment_bytes=state["segment_bytes"],
             ports=state["ports"],
             servers=servers,
+            shards=[_server(info, ServerRole.VALKEY_SHARD) for info in state.get("shards", [])],
             valkey_password=state.get("valkey_password"),
         )
 
@@ -133,15 +195,21 @@ class LocalPool:
 
     @property
     def valkey_port(self) -> int:
-        return self.ports["valkey"]
+        """The Valkey server's port; with a cluster, the first shard's."""
+        return self.ports["valkey"] if "valkey" in self.ports else self.shard_ports[0]
+
+    @property
+    def shard_ports(self) -> list[int]:
+        return [self.ports[f"valkey_shard_{i}"] for i in range(len(self.shards))]
 
     def tier_configs(self) -> list[dict[str, Any]]:
         """The ``tiers`` entries an engine uses to reach this pool."""
         tiers: list[dict[str, Any]] = []
         if ServerRole.MASTER in self.servers:
             tiers.append({"kind": "mooncake", "master_address": self.master_address})
-        if ServerRole.VALKEY in self.servers:
+        if ServerRole.VALKEY in self.servers or self.shards:
             entry = {"kind": "valkey", "host": HOST, "port": self.valkey_port}
+            entry |= {"cluster": True} if self.shards else {}
             tiers.append(
                 entry | ({"password": self.valkey_password} if self.valkey_password else {})
             )
@@ -164,6 +232,8 @@ class LocalPool:
         for role in (ServerRole.DAEMON, ServerRole.VALKEY, ServerRole.MASTER):
             if role in self.servers:
                 self.servers[role].stop()
+        for shard in self.shards:
+            shard.stop()
         (self.run_dir / STATE_FILE).unlink(missing_ok=True)
 
     def kill(self, role: ServerRole) -> None:
@@ -201,10 +271,16 @@ class LocalPool:
             role.value: {"pid": server.pid, "alive": server.alive(), "log": str(server.log_path)}
             for role, server in self.servers.items()
         }
+        for i, shard in enumerate(self.shards):
+            report[f"valkey-shard-{i}"] = {
+                "pid": shard.pid, "alive": shard.alive(), "log": str(shard.log_path)
+            }  # fmt: skip
         if "metrics" in self.ports:
             metrics = read_metrics(self.ports["metrics"]) or {}
-            names = ("master_total_capacity_bytes", "master_allocated_bytes", "master_key_count")
-            report["pool"] = {name.removeprefix("master_"): metrics.get(name) for name in names}
+            report["pool"] = {name: metrics.get(metric) for name, metric in _MOONCAKE_FIGURES}
+        if "valkey" in self.ports or self.shards:
+            ports = self.shard_ports or [self.valkey_port]
+            report["valkey_pool"] = _valkey_figures(ports, self.valkey_password)
         return report
 
     def write_state(self) -> None:
@@ -212,6 +288,7 @@ class LocalPool:
             "segment_bytes": self.segment_bytes,
             "ports": self.ports,
             "servers": {role.value: server.to_json() for role, server in self.servers.items()},
+            "shards": [shard.to_json() for shard in self.shards],
             "valkey_password": self.valkey_password,
         }
         path = self.run_dir / STATE_FILE
@@ -234,7 +311,8 @@ class LocalPool:
         log_path = self.run_dir / "logs" / f"{role.value}.log"
         self.servers[role] = Server(role=role, argv=argv, log_path=log_path)
 
-    def _master_argv(self, client_ttl_s: int) -> list[str]:
+    def _master_argv(self, client_ttl_s: int, eviction: tuple[float, float]) -> list[str]:
+        high_watermark, ratio = eviction
         return [
             str(mooncake_binary("mooncake_master")),
             f"--rpc_address={HOST}",
@@ -242,6 +320,8 @@ class LocalPool:
             f"--metrics_host={HOST}",
             f"--metrics_port={self.ports['metrics']}",
             f"--client_ttl={client_ttl_s}",
+            f"--eviction_high_watermark_ratio={high_watermark}",
+            f"--eviction_ratio={ratio}",
         ]
 
     def _daemon_argv(self) -> list[str]:
@@ -255,11 +335,26 @@ class LocalPool:
             f"--master_server_address={self.master_address}",
         ]
 
-    def _valkey_argv(self, maxmemory_bytes: int, policy: str, password: str | None) -> list[str]:
+    def _valkey_argv(self, memory: list[str], password: str | None) -> list[str]:
         argv = [str(valkey_binary()), "--bind", HOST, "--port", str(self.valkey_port)]
-        argv += ["--save", "", "--appendonly", "no", "--dir", str(self.run_dir)]
-        argv += ["--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", policy]
+        argv += ["--save", "", "--appendonly", "no", "--dir", str(self.run_dir), *memory]
         return argv + (["--requirepass", password] if password else [])
+
+    def _add_shards(self, num_shards: int, memory: list[str]) -> None:
+        for i in range(num_shards):
+            ports = (free_port(), free_port())
+            self.ports |= {f"valkey_shard_{i}": ports[0], f"valkey_bus_{i}": ports[1]}
+            argv = shard_argv(
+                valkey_binary(), self.run_dir, i, ports, password=self.valkey_password
+            )
+            log_path = self.run_dir / "logs" / f"valkey-shard-{i}.log"
+            server = Server(role=ServerRole.VALKEY_SHARD, argv=argv + memory, log_path=log_path)
+            self.shards.append(server)
+
+    def _start_shards(self, timeout_s: float) -> None:
+        bus_ports = [self.ports[f"valkey_bus_{i}"] for i in range(len(self.shards))]
+        ports = list(zip(self.shard_ports, bus_ports, strict=True))
+        start_cluster(self.shards, ports, password=self.valkey_password, timeout_s=timeout_s)
 
     def _start_and_wait(self, role: ServerRole, timeout_s: float) -> None:
         server = self.servers[role]
@@ -299,3 +394,14 @@ class LocalPool:
 
     def _capacity_mounted(self) -> bool:
         return self._metric("master_total_capacity_bytes") >= self.segment_bytes
+
+
+def _server(info: dict[str, Any], role: ServerRole) -> Server:
+    """A server recorded by ``write_state``."""
+    return Server(
+        role=role,
+        argv=info["argv"],
+        log_path=Path(info["log"]),
+        pid=info["pid"],
+        start_ticks=info.get("start_ticks", 0),
+    )

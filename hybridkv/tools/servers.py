@@ -31,6 +31,8 @@ class ServerRole(enum.Enum):
     MASTER = "master"
     DAEMON = "daemon"
     VALKEY = "valkey"
+    VALKEY_SHARD = "valkey-shard"
+    """One primary of a Valkey Cluster (``LocalPool.shards``)."""
 
 
 def free_port() -> int:
@@ -185,13 +187,41 @@ def read_metrics(metrics_port: int) -> dict[str, float] | None:
 
 
 def valkey_ping(port: int, password: str | None = None) -> bool:
+    return valkey_call(port, "PING", password=password) == b"PONG"
+
+
+def valkey_call(port: int, *args: str, password: str | None = None) -> bytes | None:
+    """One command's reply (a simple or bulk string, an integer as text, an error as
+    ``-message``), or None when the server cannot be reached or answers no such reply."""
     try:
         with socket.create_connection((HOST, port), timeout=1.0) as sock:
-            if password:
-                sock.sendall(b"AUTH %b\r\n" % password.encode())
-                if not sock.recv(64).startswith(b"+OK"):
-                    return False
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
+            if password and _command(sock, "AUTH", password) != b"OK":
+                return None
+            return _command(sock, *args)
+    except (OSError, ValueError):
+        return None
+
+
+def valkey_info(port: int, password: str | None = None) -> dict[str, str]:
+    """``INFO everything`` as name -> value ({} when unreachable)."""
+    text = (valkey_call(port, "INFO", "everything", password=password) or b"").decode()
+    pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {name: value for name, value in pairs if not name.startswith("#")}
+
+
+def _command(sock: socket.socket, *args: str) -> bytes | None:
+    """Send one RESP command, read one reply (not arrays)."""
+    encoded = [arg.encode() for arg in args]
+    sock.sendall(
+        b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in encoded)
+    )
+    reply = sock.makefile("rb")
+    line = reply.readline().rstrip(b"\r\n")
+    kind, rest = line[:1], line[1:]
+    if kind in (b"+", b":"):
+        return rest
+    if kind == b"-":
+        return b"-" + rest
+    if kind == b"$" and int(rest) >= 0:
+        return reply.read(int(rest) + 2)[:-2]
+    return None

@@ -62,7 +62,8 @@ class MooncakePool(_PoolContext):
 
 
 class ValkeyServer(_PoolContext):
-    """A valkey-server with ``maxmemory_bytes`` under ``policy`` (optionally a password)."""
+    """A valkey-server with ``maxmemory_bytes`` under ``policy`` (optionally a password);
+    with ``shards`` > 1, a Valkey Cluster of that many primaries, each with that memory."""
 
     def __init__(
         self,
@@ -70,6 +71,7 @@ class ValkeyServer(_PoolContext):
         maxmemory_bytes: int = 256 * MIB,
         policy: str = "allkeys-lru",
         password: str | None = None,
+        shards: int = 1,
     ) -> None:
         super().__init__(
             mooncake=False,
@@ -77,6 +79,7 @@ class ValkeyServer(_PoolContext):
             valkey_maxmemory_bytes=maxmemory_bytes,
             valkey_policy=policy,
             valkey_password=password,
+            valkey_shards=shards,
         )
 
 

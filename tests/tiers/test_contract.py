@@ -1,4 +1,5 @@
-"""The tier contract, run against every tier: cpu, disk, tiered, mooncake, valkey.
+"""The tier contract, run against every tier: cpu, disk, tiered, mooncake, valkey, and
+valkey over a 3-shard Valkey Cluster.
 
 What ``hybridkv.tiers.base.Tier`` promises, checked on real tiers (real
 Mooncake and Valkey servers on 127.0.0.1): a tier answers like a dict whose
@@ -31,7 +32,7 @@ from hybridkv.tools.pool import LocalPool
 from tests.support.servers import MIB, MooncakePool, ValkeyServer
 from tests.support.tier_data import check_round_trip_matches_a_dict, new_keys, payloads
 
-KINDS = ("cpu", "disk", "tiered", "mooncake", "valkey")
+KINDS = ("cpu", "disk", "tiered", "mooncake", "valkey", "valkey-cluster")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,12 @@ def mooncake_pool() -> Iterator[LocalPool]:
 @pytest.fixture(scope="module")
 def valkey_server() -> Iterator[LocalPool]:
     with ValkeyServer(maxmemory_bytes=128 * MIB) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def valkey_cluster() -> Iterator[LocalPool]:
+    with ValkeyServer(maxmemory_bytes=64 * MIB, shards=3) as running:
         yield running
 
 
@@ -66,6 +73,9 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
         ),
         "valkey": lambda: ValkeyTier(
             ValkeyConfig(port=request.getfixturevalue("valkey_server").valkey_port)
+        ),
+        "valkey-cluster": lambda: ValkeyTier(
+            ValkeyConfig(port=request.getfixturevalue("valkey_cluster").valkey_port, cluster=True)
         ),
     }
     built = builders[kind]()

@@ -14,7 +14,7 @@ from hybridkv.cli import main
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, Tier
 from hybridkv.tiers.registry import build_tier, parse_tier_config
 from hybridkv.tools.pool import STATE_FILE, LocalPool
-from hybridkv.tools.servers import ServerRole, default_run_dir, read_metrics
+from hybridkv.tools.servers import ServerRole, default_run_dir, read_metrics, valkey_info
 from tests.support.servers import MIB, MooncakePool
 
 
@@ -38,7 +38,8 @@ def pid_running(pid: int) -> bool:
 def test_cli_up_status_down(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "pool"
     argv = ["pool", "up", "--run-dir", str(run_dir), "--segment-size", "64MiB", "--valkey"]
-    assert main([*argv, "--json"]) == 0
+    eviction = ["--eviction-high-watermark", "0.7", "--eviction-ratio", "0.3"]
+    assert main([*argv, *eviction, "--valkey-policy", "noeviction", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
     try:
         kinds = [entry["kind"] for entry in document["tiers"]]
@@ -56,6 +57,14 @@ def test_cli_up_status_down(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         status = json.loads(capsys.readouterr().out)
         assert all(status[role]["alive"] for role in ("master", "daemon", "valkey"))
         assert status["pool"]["total_capacity_bytes"] == 64 * MIB
+        assert status["pool"]["evicted_keys"] == status["pool"]["refused_puts"] == 0
+        assert status["valkey_pool"]["maxmemory_bytes"] == 1 << 30
+        assert status["valkey_pool"]["evicted_keys"] == status["valkey_pool"]["refused_puts"] == 0
+        master_argv = state["servers"]["master"]["argv"]
+        assert "--eviction_high_watermark_ratio=0.7" in master_argv
+        assert "--eviction_ratio=0.3" in master_argv
+        valkey_port = document["tiers"][1]["port"]
+        assert valkey_info(valkey_port)["maxmemory_policy"] == "noeviction"
 
         assert main(argv) == 2  # one pool per run directory
         assert "already runs" in capsys.readouterr().err
@@ -92,6 +101,18 @@ def test_cli_rejects_bad_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert not (tmp_path / STATE_FILE).exists()
 
 
+def test_start_rejects_bad_eviction_settings_naming_each(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as caught:
+        LocalPool.start(
+            tmp_path, eviction_high_watermark=1.5, eviction_ratio=0, valkey_policy="lru"
+        )
+    message = str(caught.value)
+    assert "eviction_high_watermark=1.5: must be in (0, 1]" in message
+    assert "eviction_ratio=0: must be in (0, 1]" in message
+    assert "valkey_policy='lru': must be one of allkeys-lru" in message
+    assert not (tmp_path / STATE_FILE).exists()
+
+
 def test_default_run_dir_follows_the_cache_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -121,3 +142,22 @@ def test_another_process_sees_and_stops_the_pool() -> None:
         loaded.stop()
         assert not any(server.alive() for server in pool.servers.values())
     assert not os.path.exists(pool.run_dir)
+
+
+def test_cli_up_starts_a_valkey_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "pool"
+    argv = ["pool", "up", "--run-dir", str(run_dir), "--segment-size", "16MiB", "--valkey"]
+    assert main([*argv, "--valkey-shards", "2", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    try:
+        entry = document["tiers"][1]
+        assert entry["kind"] == "valkey" and entry["cluster"] is True
+        with build_tier(parse_tier_config(entry)) as tier:
+            round_trip(tier)
+        assert main(["pool", "status", "--run-dir", str(run_dir), "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert status["valkey-shard-0"]["alive"] and status["valkey-shard-1"]["alive"]
+        pids = [status[f"valkey-shard-{i}"]["pid"] for i in range(2)]
+    finally:
+        assert main(["pool", "down", "--run-dir", str(run_dir)]) == 0
+    assert not any(pid_running(pid) for pid in pids)

@@ -71,8 +71,17 @@ class MooncakeAccounting:
                 return PutStatus.EXISTS
             if code == McCode.NO_AVAILABLE_HANDLE:
                 self.stats.put_skipped_full += 1
-                return PutStatus.FULL
-            self.stats.errors += 1
+                full = True
+            else:
+                self.stats.errors += 1
+                full = False
+        if full:
+            self.log.warning(
+                "full", "the pool refused stores: no room (-200) until the master evicts; "
+                "they are skipped and counted (fix: more daemon memory, or a lower "
+                "eviction_high_watermark_ratio on the master)",
+            )  # fmt: skip
+            return PutStatus.FULL
         if code == McCode.INVALID_PARAMS:
             self.log.warning(
                 "put-invalid", "the pool refused an object of %d bytes as invalid (-600); "

@@ -28,6 +28,15 @@ class ValkeyConfig(TierConfigBase):
     password: Annotated[
         OptionalText, Field(min_length=1, json_schema_extra=SECRET, description="password")
     ] = dataclasses.field(default=None, repr=False)
+    cluster: Annotated[
+        StrictBool,
+        Field(
+            description=(
+                "host:port is one node of a Valkey Cluster: keys spread over its shards by hash "
+                "slot, one pipeline per shard"
+            )
+        ),
+    ] = False
     ssl: Annotated[StrictBool, Field(description="connect with TLS")] = False
     ssl_ca_certs: Annotated[
         OptionalText, Field(description="CA bundle for TLS; null: the system's")
@@ -50,5 +59,10 @@ class ValkeyConfig(TierConfigBase):
     ] = 1.0
 
     def __post_init__(self) -> None:
+        problems = []
         if not self.ssl and any(getattr(self, key) for key in TLS_FILES):
-            raise ValueError("ssl_* files given while ssl is false: set ssl to true")
+            problems.append("ssl_* files given while ssl is false: set ssl to true")
+        if self.cluster and self.db != 0:
+            problems.append(f"db={self.db} with cluster true: a cluster has only db 0; set db to 0")
+        if problems:
+            raise ValueError("; ".join(problems))

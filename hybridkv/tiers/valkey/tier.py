@@ -9,10 +9,16 @@ as separate pieces, no joined copy); replies are read off the socket as they
 arrive (``ReplyReader``), each value into a reusable staging buffer, checked
 against its header and checksum, then copied out: no bytes object per value.
 
+With ``cluster``, keys are spread over the shards of a Valkey Cluster by
+hash slot (``cluster.SlotMap``, read from ``CLUSTER SLOTS``): a call sends
+one pipeline to each shard it touches, then reads each shard's replies.
+
 Failures are values: socket timeouts (``op_timeout_s``) bound every call, a
-dead or hung server marks the tier unhealthy (``HealthGate``) and calls
-answer miss/ERROR at once until a background PING succeeds. A server at
-``maxmemory`` under ``noeviction`` answers OOM: FULL.
+dead or hung server (any shard) marks the tier unhealthy (``HealthGate``)
+and calls answer miss/ERROR at once until a background PING of every shard
+succeeds. A server at ``maxmemory`` under ``noeviction`` answers OOM: FULL.
+A redirect (the cluster moved a slot) is an ERROR and the next call reads
+the slot map again.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from hybridkv.tiers.codec import HEADER_BYTES, pack_header, verify_object
 from hybridkv.tiers.health import HealthGate
 from hybridkv.tiers.log_once import LogOnce
 from hybridkv.tiers.memory import allocate_arena
+from hybridkv.tiers.valkey.cluster import REDIRECTS, Node, SlotMap
 from hybridkv.tiers.valkey.config import TLS_FILES, ValkeyConfig
 from hybridkv.tiers.valkey.protocol import Bulk, ErrorReply, ObjectPacker, ReplyReader, SplitValue
 
@@ -45,10 +52,11 @@ logger = logging.getLogger(__name__)
 
 
 class ValkeyTier(Tier):
-    """A ``Tier`` over one Valkey/Redis server. Thread-safe (a connection pool).
+    """A ``Tier`` over one Valkey/Redis server or a Valkey Cluster. Thread-safe (a
+    connection pool per server).
 
-    ``usage()`` is the server's view (``DBSIZE``, ``used_memory``,
-    ``maxmemory``): it includes other clients' keys in the same database.
+    ``usage()`` is the servers' view (``DBSIZE``, ``used_memory``,
+    ``maxmemory``, summed over shards): it includes other clients' keys.
     """
 
     def __init__(self, config: ValkeyConfig, *, name: str = "valkey") -> None:
@@ -65,10 +73,9 @@ class ValkeyTier(Tier):
         self.load_weight = config.load_weight
         self.config = config
         options: dict[str, Any] = {"ssl_" + key[4:]: getattr(config, key) for key in TLS_FILES}
-        self._pool = redis.ConnectionPool(
+        self._redis = redis
+        self._pool_options: dict[str, Any] = dict(
             connection_class=redis.SSLConnection if config.ssl else redis.Connection,
-            host=config.host,
-            port=config.port,
             db=config.db,
             username=config.username,
             password=config.password,
@@ -79,7 +86,11 @@ class ValkeyTier(Tier):
             protocol=2,  # what ReplyReader reads; RESP3 would also allow push messages
             **(options if config.ssl else {}),
         )
-        self._client = redis.Redis(connection_pool=self._pool)
+        self._seed = Node(config.host, config.port)
+        self._pools: dict[Node, Any] = {}
+        self._pools_lock = threading.Lock()
+        self._slots: SlotMap | None = None
+        """Cluster mode: the current map; None until read (again)."""
         # OSError covers timeouts and resets; ValueError a reply we cannot parse.
         self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError, ValueError)
         self._local = threading.local()
@@ -99,7 +110,7 @@ class ValkeyTier(Tier):
         found = [False] * len(keys)
 
         def read(i: int, replies: ReplyReader) -> None:
-            found[i] = replies.read() == 1
+            found[i] = self._checked(replies.read()) == 1
 
         self._exchange("lookup", [("EXISTS", key) for key in keys], read)
         self._bump(queries=len(keys), hits=sum(found), misses=len(keys) - sum(found))
@@ -111,7 +122,7 @@ class ValkeyTier(Tier):
         statuses = [PutStatus.ERROR] * len(keys)
 
         def read(i: int, replies: ReplyReader) -> None:
-            statuses[i] = self._put_status(replies.read(), len(buffers[i]))
+            statuses[i] = self._put_status(self._checked(replies.read()), len(buffers[i]))
 
         commands = [
             ("SET", key, SplitValue(pack_header(key, buf), buf.data), "NX")
@@ -127,7 +138,8 @@ class ValkeyTier(Tier):
 
         def read(i: int, replies: ReplyReader) -> None:
             staging = self._staging(HEADER_BYTES + len(buffers[i]))
-            statuses[i] = self._get_status(keys[i], replies.read(into=staging), staging, buffers[i])
+            answer = self._checked(replies.read(into=staging))
+            statuses[i] = self._get_status(keys[i], answer, staging, buffers[i])
 
         self._exchange("load", [("GET", key) for key in keys], read)
         return statuses
@@ -136,10 +148,12 @@ class ValkeyTier(Tier):
         removed = [0]
 
         def read(_i: int, replies: ReplyReader) -> None:
-            reply = replies.read()
-            removed[0] = reply if isinstance(reply, int) else 0
+            reply = self._checked(replies.read())
+            removed[0] += reply if isinstance(reply, int) else 0
 
-        if keys:
+        if keys and self.config.cluster:  # one DEL may not name keys of several slots
+            self._exchange("delete", [("DEL", key) for key in keys], read, keys_per_command=0)
+        elif keys:
             self._exchange("delete", [("DEL", *keys)], read, keys_per_command=0)
         self._bump(deletes=removed[0])
         return removed[0]
@@ -147,11 +161,15 @@ class ValkeyTier(Tier):
     def usage(self) -> TierUsage:
         if not self._closed and self._gate.allow():
             try:
-                memory = self._client.info("memory")
+                totals = [0, 0, 0]
+                for node in self._nodes():
+                    client = self._client(node)
+                    memory = client.info("memory")
+                    totals[0] += int(client.dbsize())
+                    totals[1] += int(memory.get("used_memory", 0))
+                    totals[2] += int(memory.get("maxmemory", 0))
                 return TierUsage(
-                    num_objects=int(self._client.dbsize()),
-                    used_bytes=int(memory.get("used_memory", 0)),
-                    capacity_bytes=int(memory.get("maxmemory", 0)) or None,
+                    num_objects=totals[0], used_bytes=totals[1], capacity_bytes=totals[2] or None
                 )
             except self._errors as exc:
                 self._gate.mark_failed(f"usage: {exc!r}")
@@ -165,13 +183,18 @@ class ValkeyTier(Tier):
         stats = self.stats()
         assert stats.hits + stats.misses == stats.queries, stats
         assert all(value >= 0 for value in stats.as_dict().values()), stats
-        assert self._pool.connection_kwargs["retry"].get_retries() == 0, "retries would stall"
+        with self._pools_lock:
+            pools = list(self._pools.values())
+        for pool in pools:
+            assert pool.connection_kwargs["retry"].get_retries() == 0, "retries would stall"
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._gate.close()
-            self._pool.disconnect()
+            with self._pools_lock:
+                for pool in self._pools.values():
+                    pool.disconnect()
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -183,33 +206,83 @@ class ValkeyTier(Tier):
         *,
         keys_per_command: int = 1,
     ) -> None:
-        """Send ``commands`` in one write, then ``read(i, replies)`` each reply as it
-        arrives (a load checks and copies out one value while the next is on the wire).
+        """Send ``commands`` in one write per server, then ``read(i, replies)`` each reply
+        as it arrives (a load checks and copies out one value while the next is on the
+        wire). In a cluster each command goes to the shard of its key (``command[1]``).
 
         Commands left unanswered by a failure count as errors (``keys_per_command``
         each); a connection is never reused after an exchange that did not complete.
         """
         answered = 0
         if commands and not self._closed and self._gate.allow():
-            connection = None
-            completed = False
+            sent: list[tuple[Any, Any, list[int]]] = []  # (pool, connection, command indices)
             try:
-                connection = self._pool.get_connection()
-                connection.send_packed_command(connection.pack_commands(commands))
-                # redis-py owns connecting, TLS and AUTH; replies we read ourselves.
-                replies = ReplyReader(connection._sock)
-                for i in range(len(commands)):
-                    read(i, replies)
-                    answered += 1
-                completed = replies.num_pending_bytes == 0  # else the stream is out of step
+                for node, indices in self._route(commands).items():
+                    pool = self._node_pool(node)
+                    connection = pool.get_connection()
+                    sent.append((pool, connection, indices))
+                    packed = connection.pack_commands([commands[i] for i in indices])
+                    connection.send_packed_command(packed)
+                for _, connection, indices in sent:
+                    # redis-py owns connecting, TLS and AUTH; replies we read ourselves.
+                    replies = ReplyReader(connection._sock)
+                    for i in indices:
+                        read(i, replies)
+                        answered += 1
+                    if replies.num_pending_bytes:  # the stream is out of step
+                        connection.disconnect()
             except self._errors as exc:
                 self._gate.mark_failed(f"{what}: {exc!r}")
+                for _, connection, _ in sent:  # unread replies would reach the next caller
+                    connection.disconnect()
             finally:
-                if connection is not None:
-                    if not completed:  # unread replies would reach the next caller
-                        connection.disconnect()
-                    self._pool.release(connection)
+                for pool, connection, _ in sent:
+                    pool.release(connection)
         self._bump(errors=(len(commands) - answered) * keys_per_command)
+
+    def _route(self, commands: list[tuple[Any, ...]]) -> dict[Node, list[int]]:
+        """Command indices per server: all to the one server, or by slot in a cluster."""
+        if not self.config.cluster:
+            return {self._seed: list(range(len(commands)))}
+        slots = self._slot_map()
+        routes: dict[Node, list[int]] = {}
+        for i, command in enumerate(commands):
+            node = slots.node_of(command[1])
+            if node is None:
+                raise self._redis.exceptions.ClusterDownError(
+                    f"no shard serves the slot of {command[1]}"
+                )
+            routes.setdefault(node, []).append(i)
+        return routes
+
+    def _slot_map(self) -> SlotMap:
+        slots = self._slots
+        if slots is None:
+            reply = self._client(self._seed).execute_command("CLUSTER SLOTS")
+            slots = SlotMap.from_reply(reply, self.config.host)
+            self._slots = slots
+        return slots
+
+    def _nodes(self) -> list[Node]:
+        return self._slot_map().nodes if self.config.cluster else [self._seed]
+
+    def _node_pool(self, node: Node) -> Any:
+        with self._pools_lock:
+            if node not in self._pools:
+                options = self._pool_options | {"host": node.host, "port": node.port}
+                self._pools[node] = self._redis.ConnectionPool(**options)
+            return self._pools[node]
+
+    def _client(self, node: Node) -> Any:
+        return self._redis.Redis(connection_pool=self._node_pool(node))
+
+    def _checked(self, answer: Any) -> Any:
+        """``answer``; a redirect also drops the slot map, to be read again."""
+        if _is_redirect(answer):
+            self._slots = None
+            self._log.warning("redirect", "the cluster answered %r: reading its slots again",
+                              answer.message)  # fmt: skip
+        return answer
 
     def _staging(self, num_bytes: int) -> Buffer:
         """This thread's reusable receive buffer (touched once, then warm)."""
@@ -232,9 +305,14 @@ class ValkeyTier(Tier):
         if answer is None:
             return PutStatus.EXISTS
         if isinstance(answer, ErrorReply) and answer.message.startswith("OOM"):
+            self._log.warning(
+                "full", "the server refused stores: %s; they are skipped and counted (fix: "
+                "maxmemory-policy allkeys-lru, or a larger maxmemory)", answer.message,
+            )  # fmt: skip
             self._bump(put_skipped_full=1)
             return PutStatus.FULL
-        self._log.warning("store", "a SET answered %r", answer)
+        if not _is_redirect(answer):  # logged by _checked
+            self._log.warning("store", "a SET answered %r", answer)
         self._bump(errors=1)
         return PutStatus.ERROR
 
@@ -242,7 +320,8 @@ class ValkeyTier(Tier):
         if answer is None:
             return GetStatus.MISS
         if not isinstance(answer, Bulk):
-            self._log.warning("load", "a GET answered %r", answer)
+            if not _is_redirect(answer):  # logged by _checked
+                self._log.warning("load", "a GET answered %r", answer)
             self._bump(errors=1)
             return GetStatus.ERROR
         problem: str | None
@@ -260,4 +339,10 @@ class ValkeyTier(Tier):
         return GetStatus.OK
 
     def _probe(self) -> bool:
-        return bool(self._client.ping())
+        """Every server answers PING (in a cluster, after reading the slot map again)."""
+        self._slots = None
+        return all(self._client(node).ping() for node in self._nodes())
+
+
+def _is_redirect(answer: Any) -> bool:
+    return isinstance(answer, ErrorReply) and answer.message.startswith(REDIRECTS)

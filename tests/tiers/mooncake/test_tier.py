@@ -358,6 +358,57 @@ def test_full_pool_answers_full_and_never_wrong_bytes() -> None:
         tier.check_integrity()
 
 
+def test_burst_past_capacity_is_refused_counted_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stores faster than the master's eviction passes: the pool refuses (-200)."""
+    with (
+        MooncakePool(segment_bytes=16 * MIB) as small_pool,
+        make_tier(small_pool) as tier,
+        caplog.at_level(logging.WARNING),
+    ):
+        keys = new_keys(48)
+        statuses = tier.put_many(keys, payloads([MIB] * 48, seed=8))
+        assert statuses[0] is PutStatus.OK and statuses[-1] is PutStatus.FULL
+        refused = statuses.count(PutStatus.FULL)
+        assert (
+            tier.stats().put_skipped_full == refused == small_pool.status()["pool"]["refused_puts"]
+        )
+        assert tier.stats().errors == 0
+        warnings = [r.getMessage() for r in caplog.records if "refused stores" in r.getMessage()]
+        assert len(warnings) == 1 and "eviction_high_watermark" in warnings[0], warnings
+        tier.check_integrity()
+
+
+def test_paced_stores_past_capacity_evict_the_least_recently_used() -> None:
+    """With room to evict between batches the master keeps taking stores, evicting
+    the objects whose last use is oldest; a read leases an object (10 s) against it."""
+    with MooncakePool(segment_bytes=16 * MIB) as small_pool, make_tier(small_pool) as tier:
+        keys = new_keys(64)
+        buffers = payloads([MIB] * 64, seed=9)
+        statuses = tier.put_many(keys[:4], buffers[:4])
+        outs = [np.empty(MIB, dtype=np.uint8) for _ in keys]
+        assert tier.get_many_into(keys[:1], outs[:1]) == [GetStatus.OK]
+        for start in range(4, 64, 4):
+            time.sleep(0.1)  # an eviction pass (the master checks every few ms)
+            statuses += tier.put_many(keys[start : start + 4], buffers[start : start + 4])
+        assert set(statuses) <= {PutStatus.OK, PutStatus.FULL}
+        assert tier.stats().put_skipped_full == statuses.count(PutStatus.FULL)
+        assert statuses.count(PutStatus.OK) >= 48, statuses  # three times the capacity
+        loaded = tier.get_many_into(keys, outs)
+        present = [i for i, status in enumerate(loaded) if status is GetStatus.OK]
+        assert set(loaded) == {GetStatus.OK, GetStatus.MISS}
+        assert len(present) <= 16, present
+        assert all(np.array_equal(outs[i], buffers[i]) for i in present)
+        # The last two batches' stored objects (a pass may still have refused a few).
+        recent = [i for i in range(56, 64) if statuses[i] is PutStatus.OK]
+        assert len(recent) >= 4 and set(recent) <= set(present), (recent, present)
+        assert 0 in present and not {1, 2, 3} & set(present), present  # read vs not read
+        figures = small_pool.status()["pool"]
+        assert figures["evicted_keys"] >= statuses.count(PutStatus.OK) - len(present), figures
+        tier.check_integrity()
+
+
 # -- faults -----------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from redis.connection import Encoder, PythonRespSerializer
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import pack_header
 from hybridkv.tiers.registry import parse_tier_config
+from hybridkv.tiers.valkey.cluster import Node
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.protocol import Bulk, ErrorReply, ObjectPacker, ReplyReader, SplitValue
 from hybridkv.tiers.valkey.tier import ValkeyTier
@@ -87,7 +89,7 @@ def test_tls_and_auth_settings_reach_the_connections() -> None:
         ssl_ca_certs="/ca.pem", ssl_certfile="/c.pem", ssl_keyfile="/k.pem",
     )  # fmt: skip
     with ValkeyTier(config) as tls_tier:  # nothing is dialled until the first call
-        pool = tls_tier._pool
+        pool = tls_tier._node_pool(Node("127.0.0.1", 1))
         assert pool.connection_class is redis.SSLConnection
         kwargs = pool.connection_kwargs
         assert (kwargs["db"], kwargs["username"], kwargs["password"]) == (3, "u", "p")
@@ -237,20 +239,62 @@ def test_bad_values_written_behind_its_back_are_corrupt(tier: ValkeyTier, raw: r
     tier.check_integrity()
 
 
-def test_full_server_answers_full() -> None:
+def test_full_server_answers_full(caplog: pytest.LogCaptureFixture) -> None:
     with (
         ValkeyServer(maxmemory_bytes=8 * MIB, policy="noeviction") as small,
         make_tier(small) as tier,
+        caplog.at_level(logging.WARNING),
     ):
         keys = new_keys(16)
         buffers = payloads([MIB] * 16, seed=4)
         statuses = tier.put_many(keys, buffers)
         assert statuses[0] is PutStatus.OK and statuses[-1] is PutStatus.FULL
         assert set(statuses) == {PutStatus.OK, PutStatus.FULL}
-        assert tier.stats().put_skipped_full == statuses.count(PutStatus.FULL)
+        refused = statuses.count(PutStatus.FULL)
+        assert (
+            tier.stats().put_skipped_full
+            == refused
+            == small.status()["valkey_pool"]["refused_puts"]
+        )
         outs = [np.empty(MIB, dtype=np.uint8) for _ in keys]
         loaded = tier.get_many_into(keys, outs)
         assert loaded == [GetStatus.OK if s is PutStatus.OK else GetStatus.MISS for s in statuses]
+        assert all(
+            np.array_equal(o, b)
+            for o, b, s in zip(outs, buffers, loaded, strict=True)
+            if s is GetStatus.OK
+        )
+        assert small.status()["valkey_pool"]["evicted_keys"] == 0
+        warnings = [r.getMessage() for r in caplog.records if "refused stores" in r.getMessage()]
+        assert len(warnings) == 1 and "allkeys-lru" in warnings[0], warnings
+        tier.check_integrity()
+
+
+def test_lru_server_past_maxmemory_evicts_the_oldest() -> None:
+    """Under allkeys-lru the server evicts before each write: every store is taken,
+    the oldest objects are gone (misses), the newest are read back intact."""
+    with (
+        ValkeyServer(maxmemory_bytes=8 * MIB, policy="allkeys-lru") as small,
+        make_tier(small) as tier,
+    ):
+        keys = new_keys(48)
+        buffers = payloads([MIB] * 48, seed=5)
+        statuses: list[PutStatus] = []
+        for start in range(0, 48, 4):
+            statuses += tier.put_many(keys[start : start + 4], buffers[start : start + 4])
+        assert statuses == [PutStatus.OK] * 48
+        assert tier.stats().put_skipped_full == 0
+        outs = [np.empty(MIB, dtype=np.uint8) for _ in keys]
+        loaded = tier.get_many_into(keys, outs)
+        present = [i for i, status in enumerate(loaded) if status is GetStatus.OK]
+        assert set(loaded) == {GetStatus.OK, GetStatus.MISS}
+        assert len(present) < 8, present
+        assert all(np.array_equal(outs[i], buffers[i]) for i in present)
+        assert set(range(44, 48)) <= set(present), present
+        assert not set(range(8)) & set(present), present
+        figures = small.status()["valkey_pool"]
+        assert figures["evicted_keys"] == 48 - len(present), figures
+        assert figures["refused_puts"] == 0, figures
         tier.check_integrity()
 
 
