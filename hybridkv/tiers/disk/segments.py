@@ -139,7 +139,9 @@ def read_segment_header(fd: int) -> SegmentHeader | str:
 def open_segment_file(path: str, seq: int, *, writable: bool) -> tuple[int, SegmentHeader] | str:
     """Open a segment file and read its header; what is wrong with it otherwise."""
     try:
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        # A link put in place of a segment since the listing is never followed.
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(path, flags)
     except OSError as exc:
         return f"unreadable: {exc}"
     try:
