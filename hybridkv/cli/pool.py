@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.tools.pool import LocalPool
+from hybridkv.tools.servers import HOST, ServerRole
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +23,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         "lends to the pool (default 1GiB)")  # fmt: skip
     parser.add_argument("--valkey", action="store_true", help="also start a valkey-server")
     parser.add_argument("--valkey-maxmemory", default="1GiB", help="valkey-server maxmemory")
+    parser.add_argument("--host", default=HOST, help="address every server binds (default "
+                        f"{HOST}: this machine only; 0.0.0.0 opens the pool to the network, "
+                        "with no authentication on Mooncake)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -52,12 +56,14 @@ def _up(args: argparse.Namespace) -> int:
             segment_bytes=sizes["segment_size"] or 0,
             valkey=args.valkey,
             valkey_maxmemory_bytes=sizes["valkey_maxmemory"] or 0,
+            host=args.host,
         )
     except RuntimeError as exc:
         print(f"hybridkv pool up: failed: {exc}")
         return 1
     document = {
         "run_dir": str(pool.run_dir),
+        "bind_host": pool.host,
         "tiers": pool.tier_configs(),
         "kv_transfer_config": pool.kv_transfer_config(),
     }
@@ -67,6 +73,13 @@ def _up(args: argparse.Namespace) -> int:
 
 def _describe_up(pool: LocalPool) -> Iterator[str]:
     yield f"pool up (state and logs in {pool.run_dir}):"
+    reach = "this machine only" if pool.host == HOST else "reachable from the network"
+    yield f"  servers bind {pool.host} ({reach}; --host to change)"
+    if ServerRole.DAEMON in pool.servers:
+        yield (
+            "  note: the Mooncake daemon's transfer engine listens on every address whatever "
+            "--host says (Mooncake binds those ports itself); firewall them on shared hosts"
+        )
     for role, server in pool.servers.items():
         yield f"  {role.value:7} pid {server.pid}  log {server.log_path}"
     yield f"  master at {pool.master_address}; daemon lends {pool.segment_bytes} bytes"

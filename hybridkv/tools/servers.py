@@ -1,7 +1,8 @@
 """Background server processes on loopback: start, probe, stop (Mooncake, Valkey).
 
 Runs in the CLI process and in tests; imports nothing heavy. Every server
-binds 127.0.0.1 and gets ``MC_TCP_BIND_ADDRESS=127.0.0.1``.
+binds 127.0.0.1 (and gets ``MC_TCP_BIND_ADDRESS=127.0.0.1``) unless its
+caller names another address.
 """
 
 from __future__ import annotations
@@ -70,8 +71,13 @@ def valkey_binary() -> Path:
     return Path(found)
 
 
-def server_env() -> dict[str, str]:
-    return {**os.environ, "MC_TCP_BIND_ADDRESS": HOST}
+def server_env(bind_host: str = HOST) -> dict[str, str]:
+    return {**os.environ, "MC_TCP_BIND_ADDRESS": bind_host}
+
+
+def connect_host(bind_host: str) -> str:
+    """Where a client on this machine reaches a server bound to ``bind_host``."""
+    return HOST if bind_host in ("0.0.0.0", "::", "") else bind_host
 
 
 @dataclass(kw_only=True)
@@ -84,6 +90,7 @@ class Server:
     pid: int = 0
     start_ticks: int = 0
     """The process's start time (``/proc/<pid>/stat``): tells a reused pid apart."""
+    bind_host: str = HOST
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def spawn(self) -> None:
@@ -93,7 +100,7 @@ class Server:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(),
+                env=server_env(self.bind_host),
                 start_new_session=True,  # outlives the CLI and its terminal's Ctrl-C
             )
         self.pid = self.popen.pid
@@ -135,6 +142,7 @@ class Server:
             "start_ticks": self.start_ticks,
             "argv": self.argv,
             "log": str(self.log_path),
+            "bind_host": self.bind_host,
         }
 
 
@@ -167,10 +175,10 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def read_metrics(metrics_port: int) -> dict[str, float] | None:
+def read_metrics(metrics_port: int, host: str = HOST) -> dict[str, float] | None:
     """The master's Prometheus metrics (labelled series keep their labels), or None."""
     try:
-        url = f"http://{HOST}:{metrics_port}/metrics"
+        url = f"http://{host}:{metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=1.0) as response:
             text = response.read().decode()
     except OSError:
@@ -184,9 +192,9 @@ def read_metrics(metrics_port: int) -> dict[str, float] | None:
     return metrics
 
 
-def valkey_ping(port: int, password: str | None = None) -> bool:
+def valkey_ping(port: int, password: str | None = None, host: str = HOST) -> bool:
     try:
-        with socket.create_connection((HOST, port), timeout=1.0) as sock:
+        with socket.create_connection((host, port), timeout=1.0) as sock:
             if password:
                 sock.sendall(b"AUTH %b\r\n" % password.encode())
                 if not sock.recv(64).startswith(b"+OK"):

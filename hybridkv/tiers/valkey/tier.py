@@ -9,7 +9,9 @@ as separate pieces, no joined copy); replies are read off the socket as they
 arrive (``ReplyReader``), each value into a reusable staging buffer, checked
 against its header and checksum, then copied out: no bytes object per value.
 
-Failures are values: socket timeouts (``op_timeout_s``) bound every call, a
+A server that refuses the configured user or password is a configuration
+error, raised once at start (``ValkeyAuthError``, never showing the
+password). Other failures are values: socket timeouts (``op_timeout_s``) bound every call, a
 dead or hung server marks the tier unhealthy (``HealthGate``) and calls
 answer miss/ERROR at once until a background PING succeeds. A server at
 ``maxmemory`` under ``noeviction`` answers OOM: FULL.
@@ -42,6 +44,10 @@ from hybridkv.tiers.valkey.config import TLS_FILES, ValkeyConfig
 from hybridkv.tiers.valkey.protocol import Bulk, ErrorReply, ObjectPacker, ReplyReader, SplitValue
 
 logger = logging.getLogger(__name__)
+
+
+class ValkeyAuthError(PermissionError):
+    """The server refused the tier's user or password."""
 
 
 class ValkeyTier(Tier):
@@ -90,6 +96,7 @@ class ValkeyTier(Tier):
         self._gate = HealthGate(
             name, self._probe, retry_interval_s=config.retry_interval_s, log=logger
         )
+        self._check_credentials(redis.AuthenticationError)
 
     @property
     def healthy(self) -> bool:
@@ -261,3 +268,21 @@ class ValkeyTier(Tier):
 
     def _probe(self) -> bool:
         return bool(self._client.ping())
+
+    def _check_credentials(self, refused: type[Exception]) -> None:
+        """Raise ``ValkeyAuthError`` if the server refuses us; an unreachable server is
+        only unhealthy (it may come up later)."""
+        try:
+            self._client.ping()
+        except refused as exc:
+            self.close()
+            config = self.config
+            user = config.username or "default"
+            given = "a password" if config.password else "no password"
+            raise ValkeyAuthError(
+                f"tier {self.name}: valkey at {config.host}:{config.port} refused user "
+                f"{user!r} with {given} ({type(exc).__name__}); fix: set this tier's "
+                "'username' and 'password' to an ACL user of that server"
+            ) from None
+        except self._errors as exc:  # the first call finds out again and marks the gate
+            logger.debug("tier %s: not reachable at start: %r", self.name, exc)
