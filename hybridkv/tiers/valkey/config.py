@@ -50,5 +50,8 @@ class ValkeyConfig(TierConfigBase):
     ] = 1.0
 
     def __post_init__(self) -> None:
-        if not self.ssl and any(getattr(self, key) for key in TLS_FILES):
-            raise ValueError("ssl_* files given while ssl is false: set ssl to true")
+        given = [f"{key}={getattr(self, key)!r}" for key in TLS_FILES if getattr(self, key)]
+        if not self.ssl and given:
+            raise ValueError(
+                f"{', '.join(given)} given while ssl is false: set ssl to true, or remove them"
+            )
