@@ -337,8 +337,15 @@ def read_object(
     slot = parse_slot(raw, header, header.size)
     if isinstance(slot, str):
         return slot
-    if slot is None or slot.state is not SlotState.LIVE or slot.offset != offset:
+    if slot is not None and slot.state is SlotState.DEAD:
         return GONE
+    if slot is None or slot.offset != offset:
+        # A live slot never changes within one life of the file: either a later life
+        # took the file over (a miss), or the slot was damaged since it was indexed.
+        current = read_segment_header(fd)
+        if isinstance(current, SegmentHeader) and current.seq != header.seq:
+            return GONE
+        return "slot damaged since it was indexed"
     problem = codec.verify_header(raw[_FRAME.size :], key, len(out))
     if problem is not None:
         return problem
