@@ -42,9 +42,16 @@ pytestmark = pytest.mark.timeout(300)
 totals: dict[str, dict[str, int]] = {}
 
 
-def read_back(tier: Tier, size_deltas: list[int], *, check: bool = True) -> dict[str, int]:
+def read_back(
+    tier: Tier, size_deltas: list[int], *, check: bool = True, reader: bool = False
+) -> dict[str, int]:
     """Look up then load every key (some into a buffer of the wrong size) and check the
-    answers against what was stored; returns the tier's counters."""
+    answers against what was stored; returns the tier's counters.
+
+    A key found and then missing must have been counted (corrupt or error), except for
+    a read-only disk instance: for it a file taken over by its writer since the lookup
+    looks the same as a damaged segment header, and both are a plain miss.
+    """
     found = tier.contains_many(KEYS)
     outs = [
         np.zeros(max(0, len(p) + d), np.uint8) for p, d in zip(PAYLOADS, size_deltas, strict=True)
@@ -61,7 +68,7 @@ def read_back(tier: Tier, size_deltas: list[int], *, check: bool = True) -> dict
     assert stats.corrupt >= statuses.count(GetStatus.CORRUPT)
     assert stats.errors >= statuses.count(GetStatus.ERROR)
     for was_found, status in zip(found, statuses, strict=True):  # found, then gone: counted
-        assert status is not GetStatus.MISS or not was_found, (found, statuses)
+        assert reader or status is not GetStatus.MISS or not was_found, (found, statuses)
     if check:
         tier.check_integrity()
     return {"ok": num_ok, "missed": found.count(False), "corrupt": stats.corrupt}
@@ -155,7 +162,7 @@ def test_damaged_segment_files_give_counted_misses(
             # A file grown under an open writer breaks its size bookkeeping (checked by
             # check_integrity) until the next start; only the answers are checked then.
             grown = opened_first and any(d[0] == "extend" for d in damages)
-            add_totals("disk", read_back(tier, size_deltas, check=not grown))
+            add_totals("disk", read_back(tier, size_deltas, check=not grown, reader=read_only))
         finally:
             tier.close()
 

@@ -330,9 +330,20 @@ GONE = "gone"
 
 
 def read_object(
-    fd: int, header: SegmentHeader, slot_index: int, offset: int, key: StoreKey, out: Buffer
+    fd: int,
+    header: SegmentHeader,
+    slot_index: int,
+    offset: int,
+    key: StoreKey,
+    out: Buffer,
+    *,
+    reader: bool,
 ) -> HeaderError | str | None:
-    """Read one object into ``out`` and verify it: None, ``GONE`` or what is wrong."""
+    """Read one object into ``out`` and verify it: None, ``GONE`` or what is wrong.
+
+    ``reader``: a read-only instance, whose writer may have taken the file over since
+    it was indexed; the writer's own files change only by its hand.
+    """
     raw = os.pread(fd, SLOT_BYTES, slot_offset(slot_index))
     slot = parse_slot(raw, header, header.size)
     if isinstance(slot, str):
@@ -343,7 +354,7 @@ def read_object(
         # A live slot never changes within one life of the file: either a later life
         # took the file over (a miss), or the slot was damaged since it was indexed.
         current = read_segment_header(fd)
-        if isinstance(current, SegmentHeader) and current.seq != header.seq:
+        if reader and isinstance(current, SegmentHeader) and current.seq != header.seq:
             return GONE
         return "slot damaged since it was indexed"
     problem = codec.verify_header(raw[_FRAME.size :], key, len(out))
