@@ -49,7 +49,7 @@ def render(rows: list[dict[str, object]], not_passed: list[tuple[str, str, str]]
         counters = row.get("counters") or {}
         assert isinstance(counters, dict)
         shown = ", ".join(f"{k}={v}" for k, v in sorted(counters.items()))
-        result = "pass" if row.get("passed") else "FAIL"
+        result = "skipped" if row.get("skipped") else "pass" if row.get("passed") else "FAIL"
         lines.append(
             f"| {cell(row['case'])} | {cell(row['done'])} | {cell(row['seen'])} | {result} "
             f"| {cell(shown)} |"

@@ -22,13 +22,17 @@ def record(
     done: str,
     seen: str,
     passed: bool = True,
+    skipped: bool = False,
     counters: Mapping[str, int | float] | None = None,
 ) -> None:
-    """Append one row: the case, what was done, what was seen, and the counters read."""
+    """Append one row: the case, what was done, what was seen, and the counters read.
+
+    ``skipped``: the case could not run here (say why in ``seen``).
+    """
     path = os.environ.get(REPORT_ENV)
     if not path:
         return
-    row = {"case": case, "done": done, "seen": seen, "passed": passed}
+    row = {"case": case, "done": done, "seen": seen, "passed": passed, "skipped": skipped}
     row["counters"] = dict(counters or {})
     with open(path, "a", encoding="utf-8") as out:
         out.write(json.dumps(row, sort_keys=True) + "\n")
