@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo inspect test test-fast lint typecheck check bench bench-serving clean
+.PHONY: setup demo inspect test test-fast faults lint typecheck check bench bench-serving clean
 
 setup:
 	@bash scripts/setup.sh
@@ -21,6 +21,15 @@ test: setup
 # Skips tests marked slow.
 test-fast: setup
 	@bash scripts/run_tests.sh -m "not slow"
+
+# The abuse, isolation and fault suite; writes docs/RELIABILITY.md from what it saw.
+FAULTS_DIR := build/faults
+faults: setup
+	@mkdir -p $(FAULTS_DIR) && rm -f $(FAULTS_DIR)/rows.jsonl
+	@HYBRIDKV_FAULTS_REPORT=$$PWD/$(FAULTS_DIR)/rows.jsonl bash scripts/run_tests.sh tests/faults \
+		--junitxml=$(FAULTS_DIR)/junit.xml -q; rc=$$?; \
+	$(BIN)/python scripts/faults_report.py $(FAULTS_DIR)/rows.jsonl \
+		--junit $(FAULTS_DIR)/junit.xml --out docs/RELIABILITY.md; exit $$rc
 
 lint: setup
 	@$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -60,10 +60,15 @@ def _byte_size(value: object) -> object:
 
 def _path(value: object) -> object:
     if isinstance(value, Path):
-        return value.expanduser()
+        value = str(value)
     if not isinstance(value, str) or not value:
         raise ValueError("must be a non-empty path string")
-    return Path(value).expanduser()
+    if "\0" in value:
+        raise ValueError("must not contain a NUL character")
+    path = Path(value).expanduser()
+    if ".." in path.parts:
+        raise ValueError("must not contain '..' segments: give the directory itself")
+    return path
 
 
 UserPath = Annotated[Path, BeforeValidator(_path)]

@@ -17,6 +17,7 @@ from hybridkv.tools.pool import (
     VALKEY_POLICIES,
     LocalPool,
 )
+from hybridkv.tools.servers import HOST, ServerRole
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +38,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eviction-ratio", type=float, default=DEFAULT_EVICTION_RATIO,
                         help="share of the Mooncake objects one eviction pass removes, least "
                         "recently used first (default %(default)s)")  # fmt: skip
+    parser.add_argument("--host", default=HOST, help="address every server binds (default "
+                        f"{HOST}: this machine only; 0.0.0.0 opens the pool to the network, "
+                        "with no authentication on Mooncake)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -71,12 +75,14 @@ def _up(args: argparse.Namespace) -> int:
             valkey_shards=args.valkey_shards,
             eviction_high_watermark=args.eviction_high_watermark,
             eviction_ratio=args.eviction_ratio,
+            host=args.host,
         )
     except RuntimeError as exc:
         print(f"hybridkv pool up: failed: {exc}")
         return 1
     document = {
         "run_dir": str(pool.run_dir),
+        "bind_host": pool.host,
         "tiers": pool.tier_configs(),
         "kv_transfer_config": pool.kv_transfer_config(),
     }
@@ -86,6 +92,13 @@ def _up(args: argparse.Namespace) -> int:
 
 def _describe_up(pool: LocalPool) -> Iterator[str]:
     yield f"pool up (state and logs in {pool.run_dir}):"
+    reach = "this machine only" if pool.host == HOST else "reachable from the network"
+    yield f"  servers bind {pool.host} ({reach}; --host to change)"
+    if ServerRole.DAEMON in pool.servers:
+        yield (
+            "  note: the Mooncake daemon's transfer engine listens on every address whatever "
+            "--host says (Mooncake binds those ports itself); firewall them on shared hosts"
+        )
     for role, server in pool.servers.items():
         yield f"  {role.value:7} pid {server.pid}  log {server.log_path}"
     for i, shard in enumerate(pool.shards):

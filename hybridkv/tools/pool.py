@@ -3,7 +3,8 @@
 Runs in the CLI process (``hybridkv pool``) and in tests. Starts a Mooncake
 master and one storage daemon (``mooncake_client``, which lends the pool its
 memory, so objects outlive every engine), optionally a ``valkey-server``, as
-background processes on 127.0.0.1 with free ports. Their pids, ports and logs
+background processes with free ports, bound to 127.0.0.1 unless ``host``
+names another address. Their pids, ports and logs
 go to ``<run_dir>/pool.json`` so another process can find and stop them.
 """
 
@@ -23,6 +24,7 @@ from hybridkv.tools.servers import (
     HOST,
     Server,
     ServerRole,
+    connect_host,
     default_run_dir,
     free_port,
     mooncake_binary,
@@ -79,7 +81,7 @@ def _valkey_figures(ports: list[int], password: str | None) -> dict[str, int | N
 
 @dataclass(kw_only=True)
 class LocalPool:
-    """A Mooncake master + one storage daemon (+ valkey-server) on 127.0.0.1."""
+    """A Mooncake master + one storage daemon (+ valkey-server) on ``host``."""
 
     run_dir: Path
     segment_bytes: int
@@ -88,6 +90,8 @@ class LocalPool:
     shards: list[Server] = field(default_factory=list)
     """The primaries of a Valkey Cluster (``valkey_shards`` > 1), in slot order."""
     valkey_password: str | None = None
+    host: str = HOST
+    """The address every server binds: loopback unless asked otherwise."""
 
     @classmethod
     def start(
@@ -105,6 +109,7 @@ class LocalPool:
         eviction_ratio: float = DEFAULT_EVICTION_RATIO,
         client_ttl_s: int = 10,
         ready_timeout_s: float = 30.0,
+        host: str = HOST,
     ) -> Self:
         """Start the servers, wait until they serve, write the state file.
 
@@ -142,7 +147,7 @@ class LocalPool:
                     f"hybridkv pool down --run-dir {run_dir}"
                 )
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        pool = cls(run_dir=run_dir, segment_bytes=segment_bytes, ports={}, servers={})
+        pool = cls(run_dir=run_dir, segment_bytes=segment_bytes, ports={}, servers={}, host=host)
         pool.valkey_password = valkey_password
         if mooncake:
             pool.ports.update(master=free_port(), metrics=free_port(), daemon=free_port())
@@ -185,13 +190,19 @@ class LocalPool:
             servers=servers,
             shards=[_server(info, ServerRole.VALKEY_SHARD) for info in state.get("shards", [])],
             valkey_password=state.get("valkey_password"),
+            host=state.get("host", HOST),
         )
 
     # -- addresses and configs --------------------------------------------------------
 
     @property
+    def client_host(self) -> str:
+        """Where clients on this machine reach the servers."""
+        return connect_host(self.host)
+
+    @property
     def master_address(self) -> str:
-        return f"{HOST}:{self.ports['master']}"
+        return f"{self.client_host}:{self.ports['master']}"
 
     @property
     def valkey_port(self) -> int:
@@ -208,7 +219,7 @@ class LocalPool:
         if ServerRole.MASTER in self.servers:
             tiers.append({"kind": "mooncake", "master_address": self.master_address})
         if ServerRole.VALKEY in self.servers or self.shards:
-            entry = {"kind": "valkey", "host": HOST, "port": self.valkey_port}
+            entry = {"kind": "valkey", "host": self.client_host, "port": self.valkey_port}
             entry |= {"cluster": True} if self.shards else {}
             tiers.append(
                 entry | ({"password": self.valkey_password} if self.valkey_password else {})
@@ -276,7 +287,7 @@ class LocalPool:
                 "pid": shard.pid, "alive": shard.alive(), "log": str(shard.log_path)
             }  # fmt: skip
         if "metrics" in self.ports:
-            metrics = read_metrics(self.ports["metrics"]) or {}
+            metrics = read_metrics(self.ports["metrics"], self.client_host) or {}
             report["pool"] = {name: metrics.get(metric) for name, metric in _MOONCAKE_FIGURES}
         if "valkey" in self.ports or self.shards:
             ports = self.shard_ports or [self.valkey_port]
@@ -286,6 +297,7 @@ class LocalPool:
     def write_state(self) -> None:
         state = {
             "segment_bytes": self.segment_bytes,
+            "host": self.host,
             "ports": self.ports,
             "servers": {role.value: server.to_json() for role, server in self.servers.items()},
             "shards": [shard.to_json() for shard in self.shards],
@@ -309,15 +321,15 @@ class LocalPool:
 
     def _add(self, role: ServerRole, argv: list[str]) -> None:
         log_path = self.run_dir / "logs" / f"{role.value}.log"
-        self.servers[role] = Server(role=role, argv=argv, log_path=log_path)
+        self.servers[role] = Server(role=role, argv=argv, log_path=log_path, bind_host=self.host)
 
     def _master_argv(self, client_ttl_s: int, eviction: tuple[float, float]) -> list[str]:
         high_watermark, ratio = eviction
         return [
             str(mooncake_binary("mooncake_master")),
-            f"--rpc_address={HOST}",
+            f"--rpc_address={self.host}",
             f"--rpc_port={self.ports['master']}",
-            f"--metrics_host={HOST}",
+            f"--metrics_host={self.host}",
             f"--metrics_port={self.ports['metrics']}",
             f"--client_ttl={client_ttl_s}",
             f"--eviction_high_watermark_ratio={high_watermark}",
@@ -327,7 +339,7 @@ class LocalPool:
     def _daemon_argv(self) -> list[str]:
         return [
             str(mooncake_binary("mooncake_client")),
-            f"--host={HOST}",
+            f"--host={self.host}",
             f"--port={self.ports['daemon']}",
             f"--global_segment_size={self.segment_bytes}",
             "--metadata_server=P2PHANDSHAKE",
@@ -336,7 +348,7 @@ class LocalPool:
         ]
 
     def _valkey_argv(self, memory: list[str], password: str | None) -> list[str]:
-        argv = [str(valkey_binary()), "--bind", HOST, "--port", str(self.valkey_port)]
+        argv = [str(valkey_binary()), "--bind", self.host, "--port", str(self.valkey_port)]
         argv += ["--save", "", "--appendonly", "no", "--dir", str(self.run_dir), *memory]
         return argv + (["--requirepass", password] if password else [])
 
@@ -365,7 +377,9 @@ class LocalPool:
             ServerRole.DAEMON: lambda: (
                 self._metric("master_mount_segment_requests_total") > mounts_before
             ),
-            ServerRole.VALKEY: lambda: valkey_ping(self.valkey_port, self.valkey_password),
+            ServerRole.VALKEY: lambda: valkey_ping(
+                self.valkey_port, self.valkey_password, self.client_host
+            ),
         }
         if not wait_until(lambda: not server.alive() or checks[role](), timeout_s):
             raise RuntimeError(
@@ -382,11 +396,11 @@ class LocalPool:
     def _metric(self, name: str) -> float:
         if "metrics" not in self.ports:
             return 0.0
-        return (read_metrics(self.ports["metrics"]) or {}).get(name, 0.0)
+        return (read_metrics(self.ports["metrics"], self.client_host) or {}).get(name, 0.0)
 
     def _master_ready(self) -> bool:
         try:
-            url = f"http://{HOST}:{self.ports['metrics']}/health"
+            url = f"http://{self.client_host}:{self.ports['metrics']}/health"
             with urllib.request.urlopen(url, timeout=1.0) as response:
                 return bool(json.loads(response.read()).get("service_ready"))
         except (OSError, ValueError):
@@ -404,4 +418,5 @@ def _server(info: dict[str, Any], role: ServerRole) -> Server:
         log_path=Path(info["log"]),
         pid=info["pid"],
         start_ticks=info.get("start_ticks", 0),
+        bind_host=info.get("bind_host", HOST),
     )

@@ -1,7 +1,8 @@
 """Background server processes on loopback: start, probe, stop (Mooncake, Valkey).
 
 Runs in the CLI process and in tests; imports nothing heavy. Every server
-binds 127.0.0.1 and gets ``MC_TCP_BIND_ADDRESS=127.0.0.1``.
+binds 127.0.0.1 (and gets ``MC_TCP_BIND_ADDRESS=127.0.0.1``) unless its
+caller names another address.
 """
 
 from __future__ import annotations
@@ -72,8 +73,13 @@ def valkey_binary() -> Path:
     return Path(found)
 
 
-def server_env() -> dict[str, str]:
-    return {**os.environ, "MC_TCP_BIND_ADDRESS": HOST}
+def server_env(bind_host: str = HOST) -> dict[str, str]:
+    return {**os.environ, "MC_TCP_BIND_ADDRESS": bind_host}
+
+
+def connect_host(bind_host: str) -> str:
+    """Where a client on this machine reaches a server bound to ``bind_host``."""
+    return HOST if bind_host in ("0.0.0.0", "::", "") else bind_host
 
 
 @dataclass(kw_only=True)
@@ -86,6 +92,7 @@ class Server:
     pid: int = 0
     start_ticks: int = 0
     """The process's start time (``/proc/<pid>/stat``): tells a reused pid apart."""
+    bind_host: str = HOST
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def spawn(self) -> None:
@@ -95,7 +102,7 @@ class Server:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(),
+                env=server_env(self.bind_host),
                 start_new_session=True,  # outlives the CLI and its terminal's Ctrl-C
             )
         self.pid = self.popen.pid
@@ -137,6 +144,7 @@ class Server:
             "start_ticks": self.start_ticks,
             "argv": self.argv,
             "log": str(self.log_path),
+            "bind_host": self.bind_host,
         }
 
 
@@ -169,10 +177,10 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def read_metrics(metrics_port: int) -> dict[str, float] | None:
+def read_metrics(metrics_port: int, host: str = HOST) -> dict[str, float] | None:
     """The master's Prometheus metrics (labelled series keep their labels), or None."""
     try:
-        url = f"http://{HOST}:{metrics_port}/metrics"
+        url = f"http://{host}:{metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=1.0) as response:
             text = response.read().decode()
     except OSError:
@@ -186,15 +194,17 @@ def read_metrics(metrics_port: int) -> dict[str, float] | None:
     return metrics
 
 
-def valkey_ping(port: int, password: str | None = None) -> bool:
-    return valkey_call(port, "PING", password=password) == b"PONG"
+def valkey_ping(port: int, password: str | None = None, host: str = HOST) -> bool:
+    return valkey_call(port, "PING", password=password, host=host) == b"PONG"
 
 
-def valkey_call(port: int, *args: str, password: str | None = None) -> bytes | None:
+def valkey_call(
+    port: int, *args: str, password: str | None = None, host: str = HOST
+) -> bytes | None:
     """One command's reply (a simple or bulk string, an integer as text, an error as
     ``-message``), or None when the server cannot be reached or answers no such reply."""
     try:
-        with socket.create_connection((HOST, port), timeout=1.0) as sock:
+        with socket.create_connection((host, port), timeout=1.0) as sock:
             if password and _command(sock, "AUTH", password) != b"OK":
                 return None
             return _command(sock, *args)

