@@ -262,7 +262,9 @@ def test_pool_host_flag_reaches_every_server() -> None:
         servers={},
         host="0.0.0.0",
     )
-    argv = " ".join(pool._master_argv(10) + pool._daemon_argv() + pool._valkey_argv(1, "x", None))
+    argv = " ".join(
+        pool._master_argv(10, (0.8, 0.2)) + pool._daemon_argv() + pool._valkey_argv([], None)
+    )
     for bind in (
         "--rpc_address=0.0.0.0",
         "--metrics_host=0.0.0.0",
