@@ -180,7 +180,7 @@ class LocalPool:
             raise FileNotFoundError(f"no pool state in {run_dir} (start one: hybridkv pool up)")
         state = json.loads(path.read_text())
         servers = {
-            ServerRole(role): _server(info, ServerRole(role))
+            ServerRole(role): Server.from_json(info, ServerRole(role))
             for role, info in state["servers"].items()
         }
         return cls(
@@ -188,7 +188,9 @@ class LocalPool:
             segment_bytes=state["segment_bytes"],
             ports=state["ports"],
             servers=servers,
-            shards=[_server(info, ServerRole.VALKEY_SHARD) for info in state.get("shards", [])],
+            shards=[
+                Server.from_json(info, ServerRole.VALKEY_SHARD) for info in state.get("shards", [])
+            ],
             valkey_password=state.get("valkey_password"),
             host=state.get("host", HOST),
         )
@@ -408,15 +410,3 @@ class LocalPool:
 
     def _capacity_mounted(self) -> bool:
         return self._metric("master_total_capacity_bytes") >= self.segment_bytes
-
-
-def _server(info: dict[str, Any], role: ServerRole) -> Server:
-    """A server recorded by ``write_state``."""
-    return Server(
-        role=role,
-        argv=info["argv"],
-        log_path=Path(info["log"]),
-        pid=info["pid"],
-        start_ticks=info.get("start_ticks", 0),
-        bind_host=info.get("bind_host", HOST),
-    )

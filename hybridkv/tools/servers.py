@@ -147,6 +147,18 @@ class Server:
             "bind_host": self.bind_host,
         }
 
+    @classmethod
+    def from_json(cls, info: dict[str, Any], role: ServerRole) -> Server:
+        """A server recorded by ``to_json``."""
+        return cls(
+            role=role,
+            argv=info["argv"],
+            log_path=Path(info["log"]),
+            pid=info["pid"],
+            start_ticks=info.get("start_ticks", 0),
+            bind_host=info.get("bind_host", HOST),
+        )
+
 
 def _proc_stat(pid: int) -> tuple[str, int, int]:
     """A process's state letter, thread count and start time (clock ticks); ("", 0, 0)
