@@ -21,7 +21,10 @@ import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Self
+from pathlib import Path
+from typing import Any, Self
+
+from hybridkv.tools.pool import LocalPool
 
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = "/run/netns"
@@ -104,6 +107,21 @@ class Network:
         finally:
             os.close(target)
             os.close(home)
+
+    def start_pool(self, host: str, run_dir: Path, **options: Any) -> LocalPool:
+        """A ``LocalPool`` in ``host``'s namespace, bound to its address (``options``:
+        ``LocalPool.start``'s). Read its ``status()`` inside ``entered(host)``."""
+        with self.entered(host) as inside:
+            return LocalPool.start(run_dir, host=inside.address, **options)
+
+    def tier_configs(self, pool: LocalPool, host: str) -> list[dict[str, Any]]:
+        """The pool's ``tiers`` entries for an engine on ``host``: Mooncake is told the
+        address its peers reach this host at."""
+        address = self.hosts[host].address
+        return [
+            t | {"local_hostname": address} if t["kind"] == "mooncake" else t
+            for t in pool.tier_configs()
+        ]
 
     def remove(self) -> None:
         """Delete every namespace made (their links go with them); idempotent."""

@@ -167,7 +167,7 @@ def connector_stats(llm: Any) -> dict[str, float]:
         if not family.name.startswith("hybridkv"):
             continue
         for sample in family.samples:
-            if not sample.name.endswith(("_total", "_count")):
+            if not sample.name.endswith(("_total", "_count", "_sum")):
                 continue  # skip _created samples and histogram buckets
             labels = {
                 k: v for k, v in sorted(sample.labels.items()) if k not in ("engine", "model_name")

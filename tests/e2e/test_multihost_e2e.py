@@ -1,0 +1,126 @@
+"""Engines on separate hosts sharing a Mooncake pool on a third one.
+
+Three network namespaces joined by a bridge (addresses only inside them, in
+``SUBNET``): the pool (master + storage daemon) in "pool", engine A in "a",
+engine B in "b", each process with ``MC_TCP_BIND_ADDRESS`` and the tier's
+``local_hostname`` set to its own host's address. A (a CPU tier in front of the
+pool) stores its prompts; B, a separate process with an empty CPU tier, loads
+every hit from the pool across the bridge and gives the greedy tokens of the
+engine alone. Its hit rate and load latency go to the fault report's figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hybridkv.tools.models import TinyModelKind
+from hybridkv.tools.netns import Network, unavailable_reason
+from hybridkv.tools.pool import LocalPool
+from tests.e2e.expect import (
+    EXTERNAL_HITS,
+    assert_same_outputs,
+    counter,
+    describe,
+    engine_facts,
+    full_hit_tokens,
+    summed,
+)
+from tests.e2e.harness import Harness, PlanRun
+from tests.e2e.scenarios import base_prompts, engine, generate
+from tests.faults.report import record
+from tests.support.servers import MIB
+
+REASON = unavailable_reason()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
+]
+
+KIND = TinyModelKind.GEMMA3
+SUBNET = "10.213.51.0/24"
+CPU_TIER = {"kind": "cpu", "capacity_bytes": 64 * MIB}
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Network, LocalPool]]:
+    with Network.create(["pool", "a", "b"], subnet=SUBNET) as network:
+        run_dir = tmp_path_factory.mktemp("multihost-pool")
+        pool = network.start_pool("pool", run_dir, segment_bytes=128 * MIB, client_ttl_s=2)
+        try:
+            yield network, pool
+        finally:
+            pool.stop()
+
+
+def run_on(
+    harness: Harness, network: Network, host: str, name: str, plan: list[dict[str, Any]]
+) -> PlanRun:
+    """A driver process inside ``host``'s namespace, bound to its address."""
+    with network.entered(host) as inside:
+        run = harness.run(name, plan, {"MC_TCP_BIND_ADDRESS": inside.address})
+    assert run.returncode == 0, run.describe_failure()
+    return run
+
+
+def load_figures(step: dict[str, Any]) -> tuple[float, float]:
+    """(hit rate: hit tokens / prompt tokens, mean seconds per load) of one step."""
+    stats = step["connector"]
+    hit_rate = counter(stats, "hit_tokens") / sum(step["num_prompt_tokens"])
+    count = summed(stats, "load_seconds_count")
+    return hit_rate, summed(stats, "load_seconds_sum") / count if count else 0.0
+
+
+def test_engine_b_loads_what_engine_a_stored_across_hosts(
+    harness: Harness, hosts: tuple[Network, LocalPool]
+) -> None:
+    network, pool = hosts
+    model = harness.model(KIND)
+    prompts = base_prompts(model.vocab_size)
+    tiers_a = [CPU_TIER, *network.tier_configs(pool, "a")]
+    plan_a = [
+        engine("ref", model, [generate("cold", prompts)]),
+        engine("A", model, [generate("cold", prompts)], {"tiers": tiers_a}),
+    ]
+    run_a = run_on(harness, network, "a", "multihost-a", plan_a)
+    reference = run_a.step("ref", "cold")
+    assert_same_outputs(run_a.step("A", "cold"), reference, model, "engine A")
+    settled = run_a.op("integrity", engine="A")
+    assert settled["integrity"] == "ok" and settled["flushed"], settled
+    written = settled["counters"]["tier_writes{tier=mooncake}"]
+    assert written > 0, settled
+    with network.entered("pool"):
+        assert pool.status()["pool"]["key_count"] >= written, pool.status()
+
+    tiers_b = [CPU_TIER, *network.tier_configs(pool, "b")]
+    plan_b = [engine("B", model, [generate("shared", prompts)], {"tiers": tiers_b})]
+    run_b = run_on(harness, network, "b", "multihost-b", plan_b)
+    step = run_b.step("B", "shared")
+    where = describe(step)
+    assert_same_outputs(step, reference, model, "engine B, loading from the pool host")
+    facts = engine_facts(run_b, "B")
+    expected = [full_hit_tokens(n, facts) for n in step["num_prompt_tokens"]]
+    assert step["num_cached_tokens"] == expected, where
+    assert step["metrics"].get(EXTERNAL_HITS, 0.0) == sum(expected) > 0, where
+    stats = step["connector"]
+    assert counter(stats, "loads", outcome="ok") == len(expected), where
+    assert counter(stats, "loads", outcome="failed") == 0, where
+    assert counter(stats, "tier_reads", tier="cpu") == 0, where  # B's CPU tier started empty
+    assert counter(stats, "tier_reads", tier="mooncake") == summed(stats, "loaded_blocks") > 0
+    assert run_b.op("integrity", engine="B")["integrity"] == "ok"
+    hit_rate, load_s = load_figures(step)
+    assert 0 < hit_rate < 1 and load_s > 0, (hit_rate, load_s)
+    record(
+        "multi-host: engine B loads what engine A stored",
+        done="pool, engine A and engine B in three network namespaces joined by a bridge",
+        seen=f"B hit {hit_rate:.0%} of its prompt tokens across hosts, "
+        f"{load_s * 1000:.1f} ms per load",
+        counters={
+            "hit_tokens": counter(stats, "hit_tokens"),
+            "loads_ok": counter(stats, "loads", outcome="ok"),
+            "mooncake_read_bytes": counter(stats, "tier_read_bytes", tier="mooncake"),
+        },
+        outputs_identical=True,
+    )
