@@ -50,7 +50,9 @@ DEFAULT_SETUPS = {
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     workloads = [k.value for k in WorkloadKind]
-    parser.add_argument("workload", choices=workloads, help="what to replay")
+    parser.add_argument("workload", choices=[*workloads, "hosts"], help="what to replay; "
+                        "hosts: shared, the pool and each engine in its own network namespace "
+                        "(root)")  # fmt: skip
     parser.add_argument("--model", default=ShapeKind.GEMMA3_270M.value, choices=MODELS,
                         help="random-weight model built locally (default gemma3-270m; "
                         "tiny-* are the test models)")  # fmt: skip
@@ -68,8 +70,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    kind = WorkloadKind(args.workload)
     overrides = dict(_split_param(p) for p in args.param)
+    if args.workload == "hosts":
+        from hybridkv.cli.bench.hosts import run_hosts
+
+        return run_hosts(args, overrides)
+    kind = WorkloadKind(args.workload)
     params = PRESETS[kind].replace(overrides)
     setups = parse_setups(args.setups or DEFAULT_SETUPS[kind])
     work_dir = (args.work_dir or default_cache_dir() / "bench").expanduser().resolve()

@@ -1,0 +1,167 @@
+"""``hybridkv bench hosts``: the shared workload, the pool and each engine on a host of its own.
+
+CLI process, as root. Three network namespaces joined by a bridge stand for
+three machines (``hybridkv.tools.netns``): the Mooncake pool (master + storage
+daemon) on "pool", engine 0 on "a", engine 1 on "b". Each engine is a process
+spawned inside its namespace, with ``MC_TCP_BIND_ADDRESS`` and the tier's
+``local_hostname`` set to its host's address, a CPU tier in front of the pool.
+The engine alone runs first, as the reference. Prints the bench's table, then
+per engine host its hit rate, what the pool served and the mean load latency.
+Exit status 2 with the reason where namespaces cannot be made; 1 when an output
+differs from the engine alone's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from hybridkv.cli.bench import counters, say
+from hybridkv.cli.bench.models import build_model, engine_kwargs_for
+from hybridkv.cli.bench.offline import EngineFailed, EngineSpec, OfflineEngine
+from hybridkv.cli.bench.progress import Bars
+from hybridkv.cli.bench.replay import Record
+from hybridkv.cli.bench.report import Phase, compare_outputs, mark_reusable, summarize, summary_rows
+from hybridkv.cli.bench.run import BenchContext, run_setup
+from hybridkv.cli.bench.setups import CPU_TIER_BYTES, POOL_BYTES, Setup, transfer_config
+from hybridkv.cli.bench.workloads import PRESETS, Client, WorkloadKind, build_workload
+from hybridkv.cli.tables import format_bytes, format_table
+from hybridkv.paths import default_cache_dir
+from hybridkv.tools.netns import Network, unavailable_reason
+from hybridkv.tools.pool import LocalPool
+
+HOSTS = "hosts"
+SUBNET = "10.213.71.0/24"
+"""Addresses exist only inside the namespaces this mode makes and removes."""
+ENGINE_HOSTS = ("a", "b")
+SETUP = "hosts"
+
+
+def run_hosts(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    reason = unavailable_reason()
+    if reason:
+        print(f"[bench] FAILED: hosts needs network namespaces: {reason}", file=sys.stderr)
+        return 2
+    params = PRESETS[WorkloadKind.SHARED].replace(overrides)
+    work_dir = (args.work_dir or default_cache_dir() / "bench").expanduser().resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(args.model, work_dir / "models", say)
+    workload = build_workload(WorkloadKind.SHARED, params, model.vocab_size)
+    ctx = BenchContext(
+        workload=workload,
+        engine_kwargs=engine_kwargs_for(model, workload),
+        server=False,
+        work_dir=work_dir,
+        progress=Bars(),
+    )
+    say(f"hosts: pool on 'pool', engines on {ENGINE_HOSTS} in {SUBNET}; logs in {work_dir}")
+    try:
+        alone = run_setup(Setup.ALONE, ctx)
+        with Network.create(["pool", *ENGINE_HOSTS], subnet=SUBNET) as network:
+            pool = network.start_pool("pool", work_dir / "hosts-pool", segment_bytes=POOL_BYTES)
+            try:
+                phases, alignment = _replay_across(ctx, network, pool)
+            finally:
+                pool.stop()
+    except EngineFailed as exc:
+        print(f"[bench] FAILED: {exc}", file=sys.stderr, flush=True)
+        return 1
+    exact = model.dtype == "float32"
+    mark_reusable(alone.records, int(alone.facts.get("alignment_tokens") or 1))
+    mark_reusable([r for p in phases for r in p.records], alignment)
+    summaries = [summarize(p) for p in alone.phases]
+    for phase in phases:
+        summary = summarize(phase)
+        summary.outputs = compare_outputs(phase.records, alone.records, exact=exact)
+        summaries.append(summary)
+    print(format_table(summary_rows(summaries)), flush=True)
+    print("\n" + format_table(host_rows(phases)), flush=True)
+    differ = sum(s.outputs.get("differ", 0) for s in summaries)
+    if differ:
+        print(f"[bench] FAILED: {differ} outputs differ from the engine alone's", file=sys.stderr)
+    return 1 if differ else 0
+
+
+def _replay_across(ctx: BenchContext, network: Network, pool: LocalPool) -> tuple[list[Phase], int]:
+    """Every request, in order, to the engine on the host it names; a phase per host."""
+    engines = [_start(ctx, network, pool, host) for host in ENGINE_HOSTS]
+    try:
+        (client,) = ctx.workload.clients
+        before = [engine.counters() for engine in engines]
+        records: list[list[Record]] = [[] for _ in engines]
+        walls = [0.0 for _ in engines]
+        on_done = ctx.progress.replaying("hosts a/b", len(client.requests))
+        for position, request in enumerate(client.requests):
+            e = request.engine
+            begin = time.perf_counter()
+            single = [(position, Client(requests=(request,)))]
+            # Phase names as the engine alone's, so outputs are compared request by request.
+            records[e] += engines[e].replay(single, f"engine{e}", on_done)
+            walls[e] += time.perf_counter() - begin
+        ctx.progress.replayed("hosts a/b")
+        phases = []
+        for e, engine in enumerate(engines):
+            for record in records[e]:
+                record.setup = SETUP
+            phases.append(
+                Phase(
+                    setup=SETUP,
+                    name=f"engine{e}@{ENGINE_HOSTS[e]}",
+                    records=records[e],
+                    counters=counters.delta(before[e], engine.counters()),
+                    wall_s=walls[e],
+                    engine=e,
+                )
+            )
+        return phases, int(engines[0].facts.get("alignment_tokens") or 1)
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def _start(ctx: BenchContext, network: Network, pool: LocalPool, host: str) -> OfflineEngine:
+    """An engine process spawned inside ``host``'s namespace, bound to its address."""
+    address = network.hosts[host].address
+    cpu = {"kind": "cpu", "capacity_bytes": CPU_TIER_BYTES}
+    tiers = [cpu, *(t for t in network.tier_configs(pool, host) if t["kind"] == "mooncake")]
+    log_path: Path = ctx.work_dir / f"hosts-engine-{host}.log"
+    log_path.unlink(missing_ok=True)
+    spec = EngineSpec(
+        engine_kwargs=ctx.engine_kwargs,
+        transfer=transfer_config(Setup.MOONCAKE, tiers, ctx.work_dir),
+        log_path=log_path,
+        env={"MC_TCP_BIND_ADDRESS": address},
+    )
+    with network.entered(host):
+        engine = OfflineEngine(spec)
+    label = f"engine on host {host} ({address})"
+    begin = time.perf_counter()
+    try:
+        engine.wait_ready(ctx.progress.starting(label))
+    except BaseException:
+        engine.close()
+        raise
+    ctx.progress.started(label, time.perf_counter() - begin)
+    return engine
+
+
+def host_rows(phases: list[Phase]) -> list[list[str]]:
+    """Per engine host: hit rate, bytes the pool served, loads and their mean latency."""
+    rows = [["engine@host", "hit rate", "from pool", "loads", "mean load ms"]]
+    for phase in phases:
+        c = phase.counters
+        prompt_tokens = sum(r.num_prompt_tokens for r in phase.records) or 1
+        num_loads = counters.total(c, "hybridkv_load_seconds_count")
+        load_s = counters.total(c, "hybridkv_load_seconds_sum")
+        rows.append(
+            [
+                phase.name,
+                f"{counters.total(c, 'hybridkv_hit_tokens') / prompt_tokens:.0%}",
+                format_bytes(int(counters.total(c, "hybridkv_tier_read_bytes", tier="mooncake"))),
+                f"{num_loads:.0f}",
+                f"{load_s / num_loads * 1000:.1f}" if num_loads else "-",
+            ]
+        )
+    return rows
