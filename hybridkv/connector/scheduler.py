@@ -164,6 +164,9 @@ class ConnectorScheduler:
                 answers = self.lookup_view.contains_many(keys, rank=rank, tier_index=tier_index)
                 for i, hit in zip(todo, answers, strict=True):
                     found[i] = hit
+            if tier_index is None:  # in no tier at all: lost from outside, or evicted
+                gone = [h for h, s, f in zip(hashes, storing, found, strict=True) if not (s or f)]
+                self.stores.forget_sent([BlockRef(group_id, h) for h in gone])
             return found
 
         return find_longest_hit(

@@ -179,3 +179,29 @@ def test_store_backpressure_drops_blocks_and_sends_them_again(tmp_path: Path) ->
     engine.settle()
     assert set(dropped) <= set(engine.reported("stored"))
     close_engine(engine)
+
+
+def test_blocks_gone_from_every_tier_are_sent_again(tmp_path: Path) -> None:
+    layout = make_layout((FULL,))
+    config = make_config(tmp_path)
+    tier = DiskTier(disk_config(config))
+    engine = make_engine(layout, config, store=TieredStore([tier]))
+    tokens = prompt(33)
+    engine.add("a", tokens)
+    run_to_end(engine, "a", chunk=16)
+    engine.settle()
+    assert engine.finish("a") is False
+    stored = engine.reported("stored")
+    num_blocks = len(stored)
+    assert num_blocks and set(stored) == set(block_refs(layout, tokens, 0, range(num_blocks)))
+    # Gone from outside (a pool restarted empty, files removed): nothing reports it.
+    keys = block_keys(layout, tokens, 0, range(num_blocks))
+    assert tier.delete_many(keys) == num_blocks
+    assert engine.add("b", tokens) == 0  # the lookup finds none of them
+    run_to_end(engine, "b", chunk=16)
+    engine.settle()
+    again = engine.reported("stored")[len(stored) :]
+    assert sorted(again) == sorted(stored), "recomputed blocks are stored again"
+    assert engine.finish("b") is False
+    assert engine.add("c", tokens) == 32
+    close_engine(engine)
