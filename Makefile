@@ -27,7 +27,8 @@ FAULTS_DIR := build/faults
 faults: setup
 	@mkdir -p $(FAULTS_DIR) && rm -f $(FAULTS_DIR)/rows.jsonl
 	@HYBRIDKV_FAULTS_REPORT=$$PWD/$(FAULTS_DIR)/rows.jsonl bash scripts/run_tests.sh tests/faults \
-		tests/e2e/test_multihost_e2e.py --junitxml=$(FAULTS_DIR)/junit.xml -q; rc=$$?; \
+		tests/e2e/test_multihost_e2e.py tests/e2e/test_pool_full_e2e.py \
+		--junitxml=$(FAULTS_DIR)/junit.xml -q; rc=$$?; \
 	$(BIN)/python scripts/faults_report.py $(FAULTS_DIR)/rows.jsonl \
 		--junit $(FAULTS_DIR)/junit.xml --out docs/RELIABILITY.md; exit $$rc
 

@@ -36,7 +36,7 @@ from hybridkv.connector.stats import SchedulerStats
 from hybridkv.connector.steps import LookupResult, ScheduledRequest, StepInput
 from hybridkv.connector.stores import StorePlanner, make_transfer
 from hybridkv.hits import Hit, drafting_groups, find_longest_hit
-from hybridkv.keys import HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
+from hybridkv.keys import BlockHash, HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.spec import KVLayoutSpec
 from hybridkv.spec.kinds import rules_for
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
@@ -149,6 +149,7 @@ class ConnectorScheduler:
         chain = st.hasher.block_hashes
         # Blocks being stored land in the first tier first.
         count_storing = tier_index in (None, 0)
+        lost_from_tokens: list[int] = []
 
         def contains(group_id: int, indices: Sequence[int]) -> list[bool]:
             hashes = self.builders[0].block_hashes(group_id, chain, indices)
@@ -164,9 +165,15 @@ class ConnectorScheduler:
                 answers = self.lookup_view.contains_many(keys, rank=rank, tier_index=tier_index)
                 for i, hit in zip(todo, answers, strict=True):
                     found[i] = hit
+            if tier_index is None:  # in no tier at all: lost from outside, or evicted
+                gone = [i for i, s in enumerate(storing) if not (s or found[i])]
+                self.stores.forget_sent([BlockRef(group_id, hashes[i]) for i in gone])
+                if gone:
+                    block_size = self.layout.groups[group_id].block_size
+                    lost_from_tokens.append(min(indices[i] for i in gone) * block_size)
             return found
 
-        return find_longest_hit(
+        hit = find_longest_hit(
             self.layout.groups,
             max_hit_tokens,
             contains,
@@ -174,6 +181,20 @@ class ConnectorScheduler:
             use_eagle=self.use_eagle,
             eagle_group_ids=self.eagle_group_ids,
         )
+        if lost_from_tokens:
+            self._forget_sent_from(chain, min(lost_from_tokens))
+        return hit
+
+    def _forget_sent_from(self, chain: Sequence[BlockHash], num_tokens: int) -> None:
+        """Every group's blocks from token ``num_tokens`` on: the search stops at a group's
+        first miss, so the other groups' blocks past a lost one are never asked about; they
+        were most likely lost with it (a pool restarted empty) and are sent again."""
+        builder = self.builders[0]
+        for group_id, group in enumerate(self.layout.groups):
+            num_full = builder.num_full_blocks(group_id, len(chain))
+            indices = range(num_tokens // group.block_size, num_full)
+            hashes = builder.block_hashes(group_id, chain, indices)
+            self.stores.forget_sent([BlockRef(group_id, h) for h in hashes])
 
     def allocated(
         self, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int

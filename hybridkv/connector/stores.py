@@ -4,9 +4,9 @@ Scheduler process; no I/O. Of the blocks a step completes, those a later hit
 can read (each kind's ``stored_blocks`` rule: sliding windows keep the tail of
 each aligned segment, Mamba only aligned states) are sent for storing once (a
 recent block is not sent again), except blocks a worker reported dropped or
-lost, which may be sent again. Until every rank confirms a block,
-it counts as stored for lookups (read-your-writes; the worker loads it only
-after its store is done).
+lost, or a lookup found in no tier, which may be sent again. Until every rank
+confirms a block, it counts as stored for lookups (read-your-writes; the worker
+loads it only after its store is done).
 """
 
 from __future__ import annotations
@@ -104,6 +104,11 @@ class StorePlanner:
             self._storing.pop(ref, None)
         self._recent.discard_many(report.dropped)
         self._recent.discard_many(report.missing)
+
+    def forget_sent(self, refs: Sequence[BlockRef]) -> None:
+        """Blocks a lookup found in no tier (a pool restarted empty, files removed,
+        evicted): send them again when a request computes them."""
+        self._recent.discard_many(refs)
 
     def _note_storing(self, refs: Sequence[BlockRef]) -> None:
         for ref in refs:

@@ -179,3 +179,55 @@ def test_store_backpressure_drops_blocks_and_sends_them_again(tmp_path: Path) ->
     engine.settle()
     assert set(dropped) <= set(engine.reported("stored"))
     close_engine(engine)
+
+
+def test_blocks_gone_from_every_tier_are_sent_again(tmp_path: Path) -> None:
+    layout = make_layout((FULL,))
+    config = make_config(tmp_path)
+    tier = DiskTier(disk_config(config))
+    engine = make_engine(layout, config, store=TieredStore([tier]))
+    tokens = prompt(33)
+    engine.add("a", tokens)
+    run_to_end(engine, "a", chunk=16)
+    engine.settle()
+    assert engine.finish("a") is False
+    stored = engine.reported("stored")
+    num_blocks = len(stored)
+    assert num_blocks and set(stored) == set(block_refs(layout, tokens, 0, range(num_blocks)))
+    # Gone from outside (a pool restarted empty, files removed): nothing reports it.
+    keys = block_keys(layout, tokens, 0, range(num_blocks))
+    assert tier.delete_many(keys) == num_blocks
+    assert engine.add("b", tokens) == 0  # the lookup finds none of them
+    run_to_end(engine, "b", chunk=16)
+    engine.settle()
+    again = engine.reported("stored")[len(stored) :]
+    assert sorted(again) == sorted(stored), "recomputed blocks are stored again"
+    assert engine.finish("b") is False
+    assert engine.add("c", tokens) == 32
+    close_engine(engine)
+
+
+def test_every_group_is_sent_again_when_the_first_misses(tmp_path: Path) -> None:
+    # The lookup stops at the full group's first miss and never asks about the sliding
+    # window's blocks; they were lost too and must be stored again with the full ones.
+    layout = make_layout((FULL, SW))
+    config = make_config(tmp_path)
+    tier = DiskTier(disk_config(config))
+    engine = make_engine(layout, config, store=TieredStore([tier]))
+    tokens = prompt(33)
+    engine.add("a", tokens)
+    run_to_end(engine, "a", chunk=16)
+    engine.settle()
+    assert engine.finish("a") is False
+    stored = engine.reported("stored")
+    assert {ref.group_id for ref in stored} == {0, 1}, stored
+    for group_id in (0, 1):
+        tier.delete_many(block_keys(layout, tokens, group_id, range(8)))
+    assert engine.add("b", tokens) == 0
+    run_to_end(engine, "b", chunk=16)
+    engine.settle()
+    again = engine.reported("stored")[len(stored) :]
+    assert sorted(again) == sorted(stored), "both groups' recomputed blocks are stored again"
+    assert engine.finish("b") is False
+    assert engine.add("c", tokens) == 32
+    close_engine(engine)

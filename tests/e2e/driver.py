@@ -6,7 +6,8 @@ engines, created one after another in this process (in-process engine core,
 model's engine settings), each with steps: ``groups``, ``generate``,
 ``next_turn`` (prompts that continue an earlier step's conversations, in this
 or an earlier engine), ``reset``, ``zero_group``, ``integrity``,
-``valkey_command`` (one command to a valkey-server on loopback); between
+``valkey_command`` (one command to a valkey-server on loopback), ``await``
+(hand over to the test, which injects a fault, then go on); between
 engines, ``corrupt_files`` and ``swap_dirs``. Every step
 appends one JSON line to RESULTS (outputs, cached tokens, metric deltas,
 connector stats, seconds), so a crash still leaves the steps before it. The
@@ -126,6 +127,8 @@ def run_step(llm: Any, step: dict[str, Any], done: dict[str, dict[str, Any]]) ->
         return {"reply": valkey_command(step["port"], step["args"])}
     if op == "zero_group":
         return {"num_blocks_zeroed": engine_tools.zero_cached_blocks(llm, step["group_id"])}
+    if op == "await":
+        return await_test(step)
     raise ValueError(f"unknown engine step op {op!r}")
 
 
@@ -137,6 +140,23 @@ def valkey_command(port: int, args: list[str]) -> str:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
         conn.sendall(request.encode())
         return conn.recv(4096).decode().split("\r\n", 1)[0]
+
+
+def await_test(step: dict[str, Any]) -> dict[str, Any]:
+    """Write ``<dir>/<name>.ready`` (holding this pid), then wait for ``<dir>/<name>.go``
+    (JSON: what the test did meanwhile, e.g. injected a fault into a tier; the test
+    renames it into place whole)."""
+    sync_dir, name = Path(step["dir"]), step["name"]
+    ready = sync_dir / f"{name}.ready"
+    ready.with_suffix(".tmp").write_text(str(os.getpid()))
+    ready.with_suffix(".tmp").replace(ready)
+    go = sync_dir / f"{name}.go"
+    start = time.perf_counter()
+    while not go.exists():
+        if time.perf_counter() - start > step.get("timeout_s", 300):
+            raise TimeoutError(f"no {go} after {step.get('timeout_s', 300)} s")
+        time.sleep(0.01)
+    return {"waited_s": time.perf_counter() - start, "test": json.loads(go.read_text())}
 
 
 def swap_dirs(spec: dict[str, Any]) -> dict[str, Any]:

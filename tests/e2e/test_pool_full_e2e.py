@@ -29,6 +29,7 @@ from tests.e2e.expect import (
 )
 from tests.e2e.harness import Harness
 from tests.e2e.scenarios import RESET, engine, generate
+from tests.faults.report import record
 from tests.support.servers import MIB, MooncakePool
 
 pytestmark = pytest.mark.slow
@@ -89,3 +90,16 @@ def test_engine_serves_through_a_pool_that_fills_up(
     refused = totals.get("tier_full_skips{tier=mooncake}", 0)
     assert refused == figures["refused_puts"], (totals, figures)
     assert settled["integrity"] == "ok", settled
+    stall_s = max(run.step("P", x)["seconds"] - run.step("ref", x)["seconds"] for x in labels)
+    record(
+        "pool (engine): pool full",
+        done=f"{len(prompts)} unrelated {PROMPT_TOKENS}-token prompts, {PROMPTS_PER_STEP} a step, "
+        f"stored into a {SEGMENT_BYTES >> 20} MiB Mooncake pool (about 1.3x too small)",
+        seen=f"the master evicted {figures['evicted_keys']} objects and refused "
+        f"{figures['refused_puts']} puts (the tier counted {refused}); the latest prompts "
+        "hit, the oldest were recomputed; check_integrity ok; stall: the longest step's wall "
+        "time minus the engine alone's on the same prompts",
+        counters={"tier_full_skips": refused, "evicted_keys": figures["evicted_keys"]},
+        outputs_identical=True,  # asserted for every step above
+        max_stall_s=max(0.0, stall_s),
+    )

@@ -81,6 +81,7 @@ class SegmentDirectory:
         """Dropped segments whose fd waits for its last reader or writer."""
         self.temp_ids = itertools.count()
         self.last_refresh = 0.0
+        self.last_sweep = time.monotonic()
         self.last_mtime_ns = 0
         make_private_dir(self.root)
         self.lock_fd = (
@@ -250,9 +251,27 @@ class SegmentDirectory:
             self.log.warning("lost", "%s was removed from outside", segment.path)
             self.table.evict(segment, count=False)
             self.lost.add(segment)
+            # Readers see the writer's evictions this way; a writer sees only damage.
+            self.stats.corrupt += not self.read_only
         if segment.pending == 0 and segment.readers == 0:
             self.close_fd(segment)
             self.lost.discard(segment)
+
+    def sweep(self) -> None:
+        """Writer, at most every ``REFRESH_EVERY_S``: files dropped in from outside (a
+        segment name no segment of ours has, any other file) go to quarantine, counted
+        corrupt, as the start-up scan does."""
+        if self.read_only or time.monotonic() - self.last_sweep < REFRESH_EVERY_S:
+            return
+        self.last_sweep = time.monotonic()
+        listing = segments.list_root(self.root, keep=frozenset((QUARANTINE_NAME, LOCK_NAME)))
+        now = self.table.segments.values()
+        ours = {s.seq for s in now} | {s.reuse_seq for s in now if not s.ready.is_set()}
+        bad = [path for seq, path in listing.segments.items() if seq not in ours]
+        bad += [e.path for e in listing.others if e.is_file(follow_symlinks=False)]
+        for path in bad:
+            self.quarantine.move(path, os.path.basename(path), "foreign file")
+        self.stats.corrupt += len(bad)
 
     def open(self, segment: Segment) -> None:
         """Prepare a new segment's file (a new one, or an evicted one taken over)."""

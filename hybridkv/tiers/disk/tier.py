@@ -141,10 +141,13 @@ class DiskTier(Tier):
         results: list[PutStatus] = [PutStatus.OK] * len(keys)
         reservations: list[Reservation] = []
         work = FileWork()
+        digests = [key_digest(key).hex() for key in keys]
         with self._lock:
             self._check_open()
-            for item, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
-                reserved = self._table.reserve(item, key_digest(key).hex(), len(buf), work)
+            self._dir.sweep()
+            self._any_lost(digests)  # a key whose file was removed is stored again
+            for item, (digest, buf) in enumerate(zip(digests, buffers, strict=True)):
+                reserved = self._table.reserve(item, digest, len(buf), work)
                 if isinstance(reserved, Reservation):
                     reservations.append(reserved)
                 elif reserved == "full":
