@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,11 @@ from hybridkv.tiers.mooncake.client import MooncakeClient
 
 ROOM_BYTES = 64
 """Room asked for in front of each buffer: the header, kept cache-line aligned."""
+
+CHUNK_BYTES = 4 << 20
+"""Batches are split into calls of about this size, so the checksums of one chunk run
+while Mooncake moves another (one call per chunk costs a master round trip or two)."""
+MAX_CHUNKS = 4
 
 Share = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
 """Runs a function over items with a spare thread's help (``rounds.share_work``)."""
@@ -41,6 +47,18 @@ def seal(item: tuple[StoreKey, Buffer]) -> None:
 def check(item: tuple[StoreKey, Buffer]) -> HeaderError | None:
     key, framed = item
     return verify_object(framed[:HEADER_BYTES], key, framed[HEADER_BYTES:])
+
+
+def split(indices: list[int], framed: Sequence[Buffer]) -> list[list[int]]:
+    """``indices`` in order, in chunks of about ``CHUNK_BYTES`` (at most ``MAX_CHUNKS``)."""
+    total = sum(len(framed[i]) for i in indices)
+    num_chunks = max(1, min(MAX_CHUNKS, total // CHUNK_BYTES))
+    chunks: list[list[int]] = [[] for _ in range(num_chunks)]
+    done = 0
+    for i in indices:
+        chunks[min(num_chunks - 1, done * num_chunks // max(1, total))].append(i)
+        done += len(framed[i])
+    return [chunk for chunk in chunks if chunk] or [[]]
 
 
 class StagedPath:
@@ -87,66 +105,109 @@ class StagedPath:
     def put(
         self, keys: Sequence[StoreKey], framed: Sequence[Buffer], todo: list[int]
     ) -> tuple[list[PutStatus | None], bool]:
-        """Store ``todo`` (distinct keys); per index a status (None: not asked), and
-        whether the pool answered. Headers are written while the existence lookup runs."""
+        """Store ``todo`` (distinct keys); per index a status (None: unanswered), and
+        whether the existence lookup answered. The first chunk's headers are written
+        while the lookup runs, each later chunk's while the one before is in Mooncake."""
         statuses: list[PutStatus | None] = [None] * len(keys)
-        store = self._client.store
-        lookup = self._client.submit(store.batch_is_exist, [keys[i] for i in todo])
+        lookup = self._client.submit(self._client.store.batch_is_exist, [keys[i] for i in todo])
         if lookup is None:
             return statuses, False
-        self._share(seal, [(keys[i], framed[i]) for i in todo])
+        chunks = split(todo, framed)
+        self._share(seal, [(keys[i], framed[i]) for i in chunks[0]])
         codes = self._client.wait(lookup, "lookup")
         if codes is None:
             return statuses, False
         self._counts.note_codes("lookup", [c for c in codes if c not in (0, 1)], count=False)
-        absent = [i for i, code in zip(todo, codes, strict=True) if code != 1]
-        for i in set(todo) - set(absent):
+        present = {i for i, code in zip(todo, codes, strict=True) if code == 1}
+        for i in present:
             statuses[i] = PutStatus.EXISTS
-        if not absent:
-            return statuses, True
-        answer = self._call(store.batch_put_from, "store", keys, framed, absent)
-        if answer is None:
-            return statuses, False
-        unexpected: list[int] = []
-        for i, code in zip(absent, answer, strict=True):
-            statuses[i] = self._counts.put_status(code, len(framed[i]) - HEADER_BYTES, unexpected)
-        self._counts.note_codes("store", unexpected, count=False)
+
+        def before(n: int, chunk: list[int]) -> list[int]:
+            if n:
+                self._share(seal, [(keys[i], framed[i]) for i in chunk if i not in present])
+            return [i for i in chunk if i not in present]
+
+        def after(chunk: list[int], answer: list[int]) -> None:
+            unexpected: list[int] = []
+            for i, code in zip(chunk, answer, strict=True):
+                payload_bytes = len(framed[i]) - HEADER_BYTES
+                statuses[i] = self._counts.put_status(code, payload_bytes, unexpected)
+            self._counts.note_codes("store", unexpected, count=False)
+
+        store = self._client.store.batch_put_from
+        self._pipeline(store, "store", keys, framed, chunks, before, after)
         return statuses, True
 
-    def get(self, keys: Sequence[StoreKey], framed: Sequence[Buffer]) -> list[GetStatus] | None:
-        """Read every key into its framed buffer and verify it there; None: no answer."""
-        everything = list(range(len(keys)))
-        codes = self._call(self._client.store.batch_get_into, "load", keys, framed, everything)
-        if codes is None:
-            return None
-        whole = [i for i in everything if codes[i] == len(framed[i])]
-        checked = self._share(check, [(keys[i], framed[i]) for i in whole])
-        problems = dict(zip(whole, checked, strict=True))
-        unexpected: list[int] = []
-        statuses = [
-            self._counts.get_status(keys[i], codes[i], len(framed[i]), problems.get(i), unexpected)
-            for i in everything
-        ]
-        self._counts.note_codes("load", unexpected, count=False)
+    def get(self, keys: Sequence[StoreKey], framed: Sequence[Buffer]) -> list[GetStatus | None]:
+        """Read every key into its framed buffer and verify it there (None: unanswered).
+        Each chunk is verified while the next is in Mooncake."""
+        statuses: list[GetStatus | None] = [None] * len(keys)
+
+        def after(chunk: list[int], codes: list[int]) -> None:
+            whole = [i for i, code in zip(chunk, codes, strict=True) if code == len(framed[i])]
+            checked = self._share(check, [(keys[i], framed[i]) for i in whole])
+            problems = dict(zip(whole, checked, strict=True))
+            unexpected: list[int] = []
+            for i, code in zip(chunk, codes, strict=True):
+                stored = len(framed[i])
+                statuses[i] = self._counts.get_status(
+                    keys[i], code, stored, problems.get(i), unexpected
+                )
+            self._counts.note_codes("load", unexpected, count=False)
+
+        chunks = split(list(range(len(keys))), framed)
+        load = self._client.store.batch_get_into
+        self._pipeline(load, "load", keys, framed, chunks, lambda _, c: c, after)
         return statuses
 
-    def _call(
+    def _pipeline(
         self,
         call: Callable[..., list[int]],
         what: str,
         keys: Sequence[StoreKey],
         framed: Sequence[Buffer],
-        indices: list[int],
-    ) -> list[int] | None:
-        pointers = [int(framed[i].ctypes.data) for i in indices]
-        sizes = [len(framed[i]) for i in indices]
-        future = self._client.submit(call, [keys[i] for i in indices], pointers, sizes)
-        if future is None:
-            return None
+        chunks: list[list[int]],
+        before: Callable[[int, list[int]], list[int]],
+        after: Callable[[list[int], list[int]], None],
+    ) -> None:
+        """One call per chunk, two in flight: ``before`` gives a chunk's indices to send
+        (after its own work), ``after`` takes their answers. After a failed call the rest
+        stay unanswered; calls still in Mooncake are held."""
+        in_flight: deque[tuple[list[int], cf.Future[Any]]] = deque()
+        try:
+            for n, chunk in enumerate(chunks):
+                if len(in_flight) == 2 and not self._finish(in_flight, what, after):
+                    return
+                indices = before(n, chunk)
+                if not indices:
+                    continue
+                pointers = [int(framed[i].ctypes.data) for i in indices]
+                sizes = [len(framed[i]) for i in indices]
+                future = self._client.submit(call, [keys[i] for i in indices], pointers, sizes)
+                if future is None:
+                    return
+                in_flight.append((indices, future))
+            while in_flight:
+                if not self._finish(in_flight, what, after):
+                    return
+        finally:
+            for _, future in in_flight:
+                if not future.done():
+                    self._hold(future)  # still in Mooncake: it may read or write staging
+
+    def _finish(
+        self,
+        in_flight: deque[tuple[list[int], cf.Future[Any]]],
+        what: str,
+        after: Callable[[list[int], list[int]], None],
+    ) -> bool:
+        indices, future = in_flight[0]
         codes = self._client.wait(future, what)
-        if codes is None and not future.done():
-            self._hold(future)  # still in Mooncake: it may read or write staging
-        return codes
+        if codes is None:
+            return False
+        in_flight.popleft()
+        after(indices, codes)
+        return True
 
     def _hold(self, future: cf.Future[Any]) -> None:
         with self._lock:

@@ -185,8 +185,8 @@ class MooncakeTier(Tier):
         framed = self._staged.framed(buffers)
         if framed is not None:
             answers = self._staged.get(keys, framed)
-            self._counts.count(errors=len(keys) if answers is None else 0)
-            return statuses if answers is None else answers
+            self._counts.count(errors=answers.count(None))
+            return [GetStatus.ERROR if a is None else a for a in answers]
         rounds, too_large = self._rounds(list(range(len(keys))), buffers)
         self._counts.count(errors=len(too_large))
         self._run_rounds(_Side.LOAD, rounds, _Job(keys, buffers, statuses))
