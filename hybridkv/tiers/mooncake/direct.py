@@ -29,9 +29,10 @@ from hybridkv.tiers.mooncake.client import MooncakeClient
 ROOM_BYTES = 64
 """Room asked for in front of each buffer: the header, kept cache-line aligned."""
 
-CHUNK_BYTES = 4 << 20
-"""Batches are split into calls of about this size, so the checksums of one chunk run
-while Mooncake moves another (one call per chunk costs a master round trip or two)."""
+CHUNK_BYTES = 16 << 20
+"""Large batches go in calls of about this size, two in flight, so one chunk's checksums
+run while Mooncake moves another. Each call costs master round trips: on a loaded 2-core
+host 64 x 256 KiB went faster in one call than in two or four (``bench_pool.py``)."""
 MAX_CHUNKS = 4
 
 Share = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]

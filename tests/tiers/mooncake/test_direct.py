@@ -9,9 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hybridkv.layout import allocate_kv_caches, canonicalize
 from hybridkv.tiers.codec import HEADER_BYTES, pack_header
+from hybridkv.tiers.mooncake import direct
 from hybridkv.tiers.mooncake.config import MooncakeConfig
 from hybridkv.tiers.mooncake.tier import MooncakeTier
 from hybridkv.tools.pool import LocalPool
@@ -33,13 +36,16 @@ class Recorder:
     def __init__(self, store: Any) -> None:
         self._store = store
         self.pointers: dict[str, list[tuple[int, int]]] = {"put": [], "get": []}
+        self.num_calls = {"put": 0, "get": 0}
 
     def batch_put_from(self, keys: list[str], pointers: list[int], sizes: list[int]) -> Any:
         self.pointers["put"] += zip(pointers, sizes, strict=True)
+        self.num_calls["put"] += 1
         return self._store.batch_put_from(keys, pointers, sizes)
 
     def batch_get_into(self, keys: list[str], pointers: list[int], sizes: list[int]) -> Any:
         self.pointers["get"] += zip(pointers, sizes, strict=True)
+        self.num_calls["get"] += 1
         return self._store.batch_get_into(keys, pointers, sizes)
 
     def __getattr__(self, name: str) -> Any:
@@ -96,12 +102,15 @@ def run(engine: TransferEngine, job_id: Any) -> JobResult:
     return result
 
 
+@pytest.mark.parametrize("num_chunks", [1, 2])
 def test_blocks_round_trip_through_the_pool_with_no_copy_by_the_tier(
-    pool: LocalPool, raw: Any
+    pool: LocalPool, raw: Any, num_chunks: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kv = caches(seed=1)
     ids = [3, 7, 11, 12]
     saved = {b: block_bytes(kv, b) for b in ids}
+    object_bytes = HEADER_BYTES + len(saved[3])
+    monkeypatch.setattr(direct, "CHUNK_BYTES", len(ids) * object_bytes // num_chunks)
     with make_tier(pool) as tier:
         recorder = Recorder(tier._client.store)
         tier._client.store = recorder
@@ -122,9 +131,9 @@ def test_blocks_round_trip_through_the_pool_with_no_copy_by_the_tier(
             high = low + engine.arena.total_bytes
             for op in ("put", "get"):
                 spans = recorder.pointers[op]
-                assert len(spans) == len(ids), op
+                assert len(spans) == len(ids) and recorder.num_calls[op] == num_chunks, op
                 assert all(low <= p and p + n <= high for p, n in spans), op
-                assert {n for _, n in spans} == {HEADER_BYTES + len(saved[3])}, op
+                assert {n for _, n in spans} == {object_bytes}, op
             engine.check_integrity()
         assert tier.stats().errors == 0
         tier.check_integrity()
@@ -183,3 +192,14 @@ def test_buffers_outside_registered_staging_take_the_copy_path(pool: LocalPool) 
         assert tier._staged.framed([inside]) is not None
         assert tier._staged.framed([at_start]) is None
         assert tier._staged.framed([inside, np.zeros(1000, np.uint8)]) is None
+
+
+@given(st.lists(st.integers(1, 5000), max_size=40), st.integers(1, 20_000))
+def test_split_keeps_every_index_once_in_order(sizes: list[int], chunk_bytes: int) -> None:
+    framed = [np.empty(size, np.uint8) for size in sizes]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(direct, "CHUNK_BYTES", chunk_bytes)
+        chunks = direct.split(list(range(len(sizes))), framed)
+    assert [i for chunk in chunks for i in chunk] == list(range(len(sizes)))
+    assert 1 <= len(chunks) <= max(1, min(direct.MAX_CHUNKS, sum(sizes) // chunk_bytes))
+    assert all(chunks) or chunks == [[]]
