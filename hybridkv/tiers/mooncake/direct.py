@@ -29,10 +29,11 @@ from hybridkv.tiers.mooncake.client import MooncakeClient
 ROOM_BYTES = 64
 """Room asked for in front of each buffer: the header, kept cache-line aligned."""
 
-CHUNK_BYTES = 16 << 20
-"""Large batches go in calls of about this size, two in flight, so one chunk's checksums
-run while Mooncake moves another. Each call costs master round trips: on a loaded 2-core
-host 64 x 256 KiB went faster in one call than in two or four (``bench_pool.py``)."""
+CHUNK_BYTES = 64 << 20
+"""Batches larger than this go in calls of about this size, two in flight, so one chunk's
+checksums run while Mooncake moves another. Each extra call costs more than it hides at
+smaller sizes: 64 x 256 KiB took a median 15.8 ms in one call, 17.2 in two, 21.1 in four
+(the raw client 13.9; loopback TCP, 2 cores, ``benchmarks/bench_pool.py``)."""
 MAX_CHUNKS = 4
 
 Share = Callable[[Callable[[Any], Any], Sequence[Any]], list[Any]]
