@@ -6,7 +6,9 @@ one call per part. With room (a tier that frames objects in place asks for
 it, ``Tier.register_staging``), every block sits ``room_bytes`` behind the
 start of its own aligned slot, and blocks are copied one call each: the tier
 then writes its header into the room and moves header and payload as one
-slice, with no copy of its own.
+slice, with no copy of its own. The price is the copier's per-call cost per
+block (128 blocks of 128 KiB: 7.7 ms against 2.3 ms in one call on a loaded
+2-core host); a copier call taking rows that lie apart would remove it.
 """
 
 from __future__ import annotations
