@@ -59,6 +59,12 @@ class RoutedStore(Tier):
                 statuses[j] = status
         return statuses
 
+    def register_staging(self, staging: Buffer) -> int:
+        return self.store.register_staging(staging)
+
+    def staging_busy(self) -> bool:
+        return self.store.staging_busy()
+
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         return self.store.delete_many(keys)
 

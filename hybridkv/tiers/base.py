@@ -124,8 +124,9 @@ class Tier(abc.ABC):
 
     Invariants every implementation keeps:
 
-    * ``get_many_into`` writes a buffer only when its status is OK, and the
-      bytes written equal what ``put_many`` stored under that key.
+    * ``get_many_into`` writes a buffer only when its status is OK (buffers in
+      registered staging excepted, see ``register_staging``), and the bytes
+      written equal what ``put_many`` stored under that key.
     * A buffer's length is the object's exact size; a stored object of
       another size is CORRUPT, never a partial read.
     * Every call takes a batch and costs at most one round trip to a remote
@@ -159,6 +160,24 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> TierStats: ...
+
+    def register_staging(self, staging: Buffer) -> int:
+        """Offer the transfer engine's staging memory; returns the header room wanted.
+
+        A tier answering ``n > 0`` is promised that every buffer inside
+        ``staging`` it is later given has ``n`` bytes in front of it that it
+        may overwrite, and may read or write such a buffer (and its room)
+        directly, whatever the status it answers: the engine scatters only
+        blocks answered OK. 0 (the default): buffers come without room.
+        """
+        return 0
+
+    def staging_busy(self) -> bool:
+        """Whether a call this tier gave up on may still touch registered staging.
+
+        While True the engine reuses no staging region a finished call used.
+        """
+        return False
 
     def check_integrity(self) -> None:
         """Raise AssertionError if internal bookkeeping is inconsistent."""

@@ -7,7 +7,10 @@ submit; a worker calls ``tier.get_many_into`` and scatters only the blocks
 read OK. Loads run before queued stores. Every submitted job yields exactly
 one ``JobResult`` from ``poll_finished``. A job past its timeout, or
 cancelled, is reported failed at once; its staging stays reserved until the
-tier call returns, and a load's late bytes are never scattered.
+tier call returns, and a load's late bytes are never scattered. A tier that
+frames objects in place in staging (``Tier.register_staging``) gets header
+room in front of each block; while it says a call it gave up on may still
+touch staging (``staging_busy``), freed regions are parked, not reused.
 """
 
 from __future__ import annotations
@@ -19,11 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 
-import numpy as np
-import numpy.typing as npt
-
 from hybridkv.layout import CanonicalKVCaches
-from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, Tier
+from hybridkv.tiers.base import GetStatus, PutStatus, Tier
 from hybridkv.transfer.copier import BlockCopier
 from hybridkv.transfer.jobs import (
     Job,
@@ -37,6 +37,7 @@ from hybridkv.transfer.jobs import (
     build_result,
     check_parts,
 )
+from hybridkv.transfer.placement import StagingPlacement
 from hybridkv.transfer.staging import PHASE_BYTES, StagingArena
 from hybridkv.transfer.stats import TransferStats
 
@@ -59,6 +60,10 @@ class TransferEngine:
         # On CPU the staging rows share the caches' offset within a page (see staging).
         phase = 0 if pin else caches.tensors[0].data_ptr() % PHASE_BYTES // 8 * 8
         self.arena = StagingArena(self.config.staging_bytes, pin_memory=pin, address_phase=phase)
+        room_bytes = tier.register_staging(self.arena.array)
+        self.placement = StagingPlacement(self.arena, self.copier, room_bytes)
+        self._parked: list[int] = []
+        """Offsets of freed regions a call the tier gave up on may still touch."""
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._jobs: dict[JobId, Job] = {}
@@ -126,7 +131,7 @@ class TransferEngine:
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no job holds staging (abandoned tier calls included)."""
-        return self._wait_until(lambda: bool(self._jobs), timeout_s)
+        return self._wait_until(lambda: bool(self._jobs or self._parked), timeout_s)
 
     @property
     def num_inflight_bytes(self) -> int:
@@ -149,9 +154,9 @@ class TransferEngine:
         with self._lock:
             self.arena.check_integrity()
             held = {j.staging_offset for j in self._jobs.values() if j.staging_offset is not None}
-            regions = len(held) + self._num_unregistered
+            regions = len(held) + len(self._parked) + self._num_unregistered
             assert regions == self.arena.num_regions, (held, self.arena.num_regions)
-            if not self._jobs and not self._num_unregistered:
+            if not self._jobs and not self._num_unregistered and not self._parked:
                 assert self.arena.used_bytes == 0, f"{self.arena.used_bytes} staging bytes leaked"
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -185,11 +190,12 @@ class TransferEngine:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         parts = check_parts(parts, self.caches.layout.num_groups, self.copier.check_block_ids)
-        offsets, total = self._plan_staging(parts)
+        offsets, total = self.placement.plan(parts)
         if timeout_s is None:
             is_load = kind is JobKind.LOAD
             timeout_s = self.config.load_timeout_s if is_load else self.config.store_timeout_s
         with self._lock:
+            self._unpark()
             offset = self.arena.allocate(total) if total else None
             if total and offset is None:
                 self._stats.backpressured += 1
@@ -199,9 +205,9 @@ class TransferEngine:
         job = Job(job_id, kind, parts, offsets, offset, timeout_s)
         gathered = False
         try:
-            job.buffers = self._buffers(job)
+            job.buffers = self.placement.buffers(job)
             if kind is JobKind.STORE:
-                self._gather(job)  # before returning: the engine may reuse the blocks
+                self.placement.gather(job)  # before returning: the engine may reuse the blocks
             gathered = True
         finally:
             with self._lock:
@@ -224,43 +230,6 @@ class TransferEngine:
         else:
             priority = 0 if job.kind is JobKind.LOAD else 1
             self._queue.put((priority, next(self._seq), job.job_id))
-
-    def _plan_staging(self, parts: Sequence[TransferPart]) -> tuple[tuple[int, ...], int]:
-        offsets: list[int] = []
-        total = 0
-        for part in parts:
-            offsets.append(total)
-            nbytes = len(part.block_ids) * self.copier.block_bytes(part.group_id)
-            total += self.arena.region_bytes(nbytes)
-        if total > self.arena.total_bytes:
-            raise ValueError(
-                f"job needs {total} staging bytes but the arena has {self.arena.total_bytes}; "
-                "split the job or raise TransferConfig.staging_bytes"
-            )
-        return tuple(offsets), total
-
-    def _buffers(self, job: Job) -> list[Buffer]:
-        buffers: list[Buffer] = []
-        for part, offset in zip(job.parts, job.part_offsets, strict=True):
-            assert job.staging_offset is not None or not part.block_ids
-            block_bytes = self.copier.block_bytes(part.group_id)
-            start = (job.staging_offset or 0) + offset
-            buffers += [
-                self.arena.view(start + i * block_bytes, block_bytes)
-                for i in range(len(part.block_ids))
-            ]
-        return buffers
-
-    def _part_rows(self, job: Job, index: int) -> npt.NDArray[np.uint8]:
-        part = job.parts[index]
-        assert job.staging_offset is not None
-        nbytes = len(part.block_ids) * self.copier.block_bytes(part.group_id)
-        return self.arena.view(job.staging_offset + job.part_offsets[index], nbytes)
-
-    def _gather(self, job: Job) -> None:
-        for i, part in enumerate(job.parts):
-            if part.block_ids:
-                self.copier.gather(part.group_id, part.block_ids, self._part_rows(job, i))
 
     # ---- worker side --------------------------------------------------------------------
 
@@ -332,18 +301,8 @@ class TransferEngine:
             self._report(job, statuses, outcome, error)
 
     def _scatter(self, job: Job, statuses: Sequence[GetStatus | PutStatus]) -> str | None:
-        start = 0
         try:
-            for i, part in enumerate(job.parts):
-                part_statuses = statuses[start : start + len(part.block_ids)]
-                start += len(part.block_ids)
-                ok_rows = [r for r, s in enumerate(part_statuses) if s is GetStatus.OK]
-                if not ok_rows:
-                    continue
-                rows = None if len(ok_rows) == len(part_statuses) else ok_rows
-                self.copier.scatter(
-                    part.group_id, part.block_ids, self._part_rows(job, i), only_rows=rows
-                )
+            self.placement.scatter(job, statuses)
         except Exception as exc:  # a bug, not an I/O failure; the loaded KV is suspect
             logger.exception("load job %d: scatter failed", job.job_id)
             return f"scatter raised {type(exc).__name__}: {exc}"
@@ -387,12 +346,20 @@ class TransferEngine:
 
     def _release(self, job: Job) -> None:
         if job.staging_offset is not None:
-            self.arena.free(job.staging_offset)
+            self._parked.append(job.staging_offset)
             job.staging_offset = None
+            self._unpark()
         self._jobs.pop(job.job_id, None)
         self._changed.notify_all()
 
+    def _unpark(self) -> None:
+        if self._parked and not self.tier.staging_busy():
+            for offset in self._parked:
+                self.arena.free(offset)
+            self._parked.clear()
+
     def _expire(self, now: float) -> None:
+        self._unpark()
         for job in list(self._jobs.values()):
             late = job.deadline is not None and now > job.deadline
             if late and job.state in (JobState.QUEUED, JobState.RUNNING):
@@ -415,4 +382,5 @@ class TransferEngine:
                     if j.deadline is not None and j.state in (JobState.QUEUED, JobState.RUNNING)
                 ]
                 limits = [d - now for d in deadlines] + ([end - now] if end is not None else [])
+                limits += [0.01] if self._parked else []  # the tier tells no one when it is done
                 self._changed.wait(max(0.001, min(limits)) if limits else None)

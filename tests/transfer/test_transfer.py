@@ -1,6 +1,7 @@
 """Transfer engine: store -> wipe -> load round trips for every group kind and storage
 layout, corruption and misses, backpressure, timeouts, cancel, many concurrent jobs,
-and the staging allocator against a brute-force model."""
+the staging allocator against a brute-force model, and a tier framing objects in
+place in staging (header room, parked regions)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,13 @@ from hybridkv.tiers.base import (
     TierUsage,
     check_batch,
 )
-from hybridkv.tiers.codec import HEADER_BYTES, pack_header, verify_header, verify_object
+from hybridkv.tiers.codec import (
+    HEADER_BYTES,
+    pack_header,
+    verify_header,
+    verify_object,
+    write_header_into,
+)
 from hybridkv.transfer import (
     BlockCopier,
     JobId,
@@ -903,3 +910,134 @@ def test_staging_shares_the_caches_phase_and_still_round_trips(
         assert engine.arena.array.ctypes.data % PHASE_BYTES == phase // 8 * 8
         assert_store_wipe_load_restores(engine, kv, ids, saved)
         assert_idle(engine, tier)
+
+
+# ---------------------------------------------------------------- header room in staging
+
+
+class FramingTier(MemoryTier):
+    """Stores header + payload framed in place in the room in front of each buffer.
+
+    A put writes the header into the room and keeps room + payload as one
+    object; a get writes the whole stored object back over room + buffer,
+    corrupt or not (as a tier reading straight into staging does). ``busy``
+    is what ``staging_busy`` answers.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staging: Buffer | None = None
+        self.busy = False
+        self.calls: list[list[tuple[int, int]]] = []
+        """Per put: the staging address ranges its buffers and their room cover."""
+
+    def register_staging(self, staging: Buffer) -> int:
+        self.staging = staging
+        return HEADER_BYTES
+
+    def staging_busy(self) -> bool:
+        return self.busy
+
+    def _framed(self, buffer: Buffer) -> Buffer:
+        assert self.staging is not None
+        offset = int(buffer.ctypes.data) - int(self.staging.ctypes.data) - HEADER_BYTES
+        assert offset >= 0, "a buffer without room in front"
+        return self.staging[offset : offset + HEADER_BYTES + len(buffer)]
+
+    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+        check_batch(keys, buffers)
+        self._enter()
+        for key, buffer in zip(keys, buffers, strict=True):
+            write_header_into(self._framed(buffer), key, buffer)
+        framed = [self._framed(buffer) for buffer in buffers]
+        self.calls.append([(int(f.ctypes.data), int(f.ctypes.data) + len(f)) for f in framed])
+        with self._lock:
+            for key, buffer in zip(keys, buffers, strict=True):
+                self._objects.setdefault(key, self._framed(buffer).tobytes())
+        return [PutStatus.OK] * len(keys)
+
+    def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
+        check_batch(keys, buffers)
+        self._enter()
+        statuses = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            data = self._objects.get(key)
+            if data is None:
+                statuses.append(GetStatus.MISS)
+                continue
+            framed = self._framed(buffer)
+            framed[: len(data)] = np.frombuffer(data, np.uint8)[: len(framed)]
+            bad = verify_object(framed[:HEADER_BYTES], key, framed[HEADER_BYTES:])
+            statuses.append(GetStatus.CORRUPT if bad else GetStatus.OK)
+        return statuses
+
+    def corrupt(self, key: StoreKey) -> None:
+        data = bytearray(self._objects[key])
+        data[-1] ^= 0xFF
+        self._objects[key] = bytes(data)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize(
+    "layout", [ALL_KINDS, UNEVEN, MIXED_PAGES], ids=["all_kinds", "uneven", "mixed_pages"]
+)
+def test_headers_framed_in_place_never_clobber_neighbouring_blocks(
+    layout: KVLayoutSpec, storage: str
+) -> None:
+    tier = FramingTier()
+    kv = build(layout, storage)
+    fill_random(kv, seed=5)
+    ids = pool_block_ids(layout, seed=6, per_group=5)
+    saved = snapshot(kv, layout, ids)
+    with make_engine(kv, layout, tier) as engine:
+        assert engine.placement.room_bytes >= HEADER_BYTES
+        assert_store_wipe_load_restores(engine, kv, ids, saved)
+        engine.check_integrity()
+    # Every stored object is its header then the block's bytes, whole.
+    assert all(verify_object(o, k, np.frombuffer(o, np.uint8, offset=HEADER_BYTES)) is None
+               for k, o in tier._objects.items())  # fmt: skip
+
+
+def test_a_corrupt_object_read_into_staging_never_reaches_the_caches() -> None:
+    tier = FramingTier()
+    kv = build(ALL_KINDS, "block_major")
+    fill_random(kv, seed=7)
+    ids = pool_block_ids(ALL_KINDS, seed=8, per_group=4)
+    saved = snapshot(kv, ALL_KINDS, ids)
+    with make_engine(kv, ALL_KINDS, tier) as engine:
+        parts = parts_for(ids)
+        assert run_job(engine, engine.submit_store(parts)).ok
+        bad_block = parts[0].block_ids[1]
+        tier.corrupt(parts[0].keys[1])
+        wipe(kv)
+        result = run_job(engine, engine.submit_load(parts))
+        assert result.outcome is JobOutcome.FAILED
+        assert result.failed_block_ids[0] == (bad_block,)
+        for (name, b), want in saved.items():
+            if b == bad_block and name in ALL_KINDS.groups[0].layer_names:
+                assert (kv[name][b].view(torch.uint8) == 0x5A).all(), "corrupt bytes scattered"
+            else:
+                assert same_bytes(kv[name][b], want), (name, b)
+        engine.check_integrity()
+
+
+def test_regions_stay_parked_while_the_tier_may_touch_staging() -> None:
+    tier = FramingTier()
+    kv = build(ALL_KINDS, "block_major")
+    ids = pool_block_ids(ALL_KINDS, seed=9, per_group=2)
+    with make_engine(kv, ALL_KINDS, tier) as engine:
+        tier.busy = True  # as after a call the tier gave up on
+        assert run_job(engine, engine.submit_store(parts_for(ids))).ok
+        held = engine.num_inflight_bytes
+        assert held > 0, "a region was freed while the tier said it may still use it"
+        engine.check_integrity()
+        assert not engine.wait_idle(timeout_s=0.05)
+        assert run_job(engine, engine.submit_store(parts_for(ids, "again"))).ok
+        first, second = tier.calls
+        overlaps = [(a, b) for a in first for b in second if a[0] < b[1] and b[0] < a[1]]
+        assert not overlaps, "a parked region was handed to the next job"
+        assert engine.num_inflight_bytes == 2 * held
+        tier.busy = False
+        assert engine.wait_idle(timeout_s=5)
+        assert engine.arena.free_bytes == engine.arena.total_bytes
+        engine.check_integrity()

@@ -50,8 +50,8 @@ UNREACHABLE = frozenset({McCode.RPC_FAIL, McCode.RPC_TIMEOUT})
 class MooncakeClient:
     """``mooncake.store.MooncakeDistributedStore`` with bounded calls. Thread-safe.
 
-    ``arena`` is registered with Mooncake at setup, so calls that name
-    addresses inside it move bytes zero-copy.
+    ``arena`` (and every ``add_buffer``) is registered with Mooncake at
+    setup, so calls that name addresses inside it move bytes zero-copy.
     """
 
     def __init__(self, config: MooncakeConfig, arena: Buffer, *, name: str, log: LogOnce) -> None:
@@ -65,7 +65,8 @@ class MooncakeClient:
             ) from exc
         self.config = config
         self.store: Any = MooncakeDistributedStore()
-        self._arena = arena
+        self._buffers = [arena]
+        """Registered at setup: the tier's arena, then staging lent by transfer engines."""
         self._log = log
         self.ready = self.closed = False
         # Two rounds per direction plus a lookup, and spares for calls abandoned in Mooncake.
@@ -162,13 +163,28 @@ class MooncakeClient:
             config.rdma_devices,
             config.master_address,
         )
-        if rc == 0:
-            rc = self.store.register_buffer(int(self._arena.ctypes.data), len(self._arena))
+        for buffer in self._buffers:
+            rc = rc or self.store.register_buffer(int(buffer.ctypes.data), len(buffer))
         if rc != 0:
             self._log.warning("setup", "setup against %s returned %s", config.master_address, rc)
             return False
         self.ready = True
         return True
+
+    def add_buffer(self, buffer: Buffer) -> bool:
+        """Register ``buffer`` now if set up, else at setup; False when Mooncake refused it."""
+        if self.closed or not self._client_lock.acquire(timeout=SETUP_TIMEOUT_S):
+            return False
+        try:
+            if self.ready:
+                rc = self.store.register_buffer(int(buffer.ctypes.data), len(buffer))
+                if rc != 0:
+                    self._log.warning("register", "registering staging returned %s", rc)
+                    return False
+            self._buffers.append(buffer)
+            return True
+        finally:
+            self._client_lock.release()
 
     def master_reachable(self) -> bool:
         host, port = self.config.master_address.rsplit(":", 1)

@@ -8,6 +8,8 @@ Mooncake at setup, so Mooncake moves bytes zero-copy. The arena has two slots
 for loads and two for stores; a batch larger than a slot goes in rounds
 (``mooncake.rounds``), one round in Mooncake while the next is staged
 (stores) or the last is checked and copied out (loads), on two threads.
+Buffers in a transfer engine's registered staging skip the arena and every
+copy (``mooncake.direct``).
 
 Failures are values; calls are bounded and health-gated by
 ``mooncake.client``. Return codes: -200 (pool full) -> FULL; -704/-703/-712
@@ -43,6 +45,7 @@ from hybridkv.tiers.memory import allocate_arena
 from hybridkv.tiers.mooncake.accounting import MooncakeAccounting
 from hybridkv.tiers.mooncake.client import ABSENT, McCode, MooncakeClient
 from hybridkv.tiers.mooncake.config import MooncakeConfig
+from hybridkv.tiers.mooncake.direct import StagedPath
 from hybridkv.tiers.mooncake.rounds import (
     ALIGN_BYTES,
     Item,
@@ -107,6 +110,7 @@ class MooncakeTier(Tier):
         self._log = LogOnce(logger, name)
         self._counts = MooncakeAccounting(self._log)
         self._client = MooncakeClient(config, self._arena, name=name, log=self._log)
+        self._staged = StagedPath(self._client, self._counts, self._shared)
 
     @property
     def healthy(self) -> bool:
@@ -144,6 +148,16 @@ class MooncakeTier(Tier):
         for i, key in enumerate(keys):
             (repeated if key in seen else todo).append(i)
             seen.add(key)
+        framed = self._staged.framed(buffers)
+        if framed is not None:
+            answers, answered = self._staged.put(keys, framed, todo)
+            for i in todo:
+                statuses[i] = answers[i] or PutStatus.ERROR
+            for i in repeated if answered else []:
+                statuses[i] = PutStatus.EXISTS
+            unanswered = sum(answers[i] is None for i in todo)
+            self._counts.count(errors=unanswered + (0 if answered else len(repeated)))
+            return statuses
         rounds, too_large = self._rounds(todo, buffers)
         lookup = self._client.submit(self._client.store.batch_is_exist, [keys[i] for i in todo])
         if lookup is None:
@@ -166,10 +180,16 @@ class MooncakeTier(Tier):
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         check_batch(keys, buffers)
         statuses = [GetStatus.ERROR] * len(keys)
-        if keys and self._usable(len(keys)):
-            rounds, too_large = self._rounds(list(range(len(keys))), buffers)
-            self._counts.count(errors=len(too_large))
-            self._run_rounds(_Side.LOAD, rounds, _Job(keys, buffers, statuses))
+        if not keys or not self._usable(len(keys)):
+            return statuses
+        framed = self._staged.framed(buffers)
+        if framed is not None:
+            answers = self._staged.get(keys, framed)
+            self._counts.count(errors=answers.count(None))
+            return [GetStatus.ERROR if a is None else a for a in answers]
+        rounds, too_large = self._rounds(list(range(len(keys))), buffers)
+        self._counts.count(errors=len(too_large))
+        self._run_rounds(_Side.LOAD, rounds, _Job(keys, buffers, statuses))
         return statuses
 
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
@@ -198,6 +218,12 @@ class MooncakeTier(Tier):
         self._counts.note_codes("delete", [c for c in codes if c not in expected], count=True)
         self._counts.deleted(removed)
         return removed
+
+    def register_staging(self, staging: Buffer) -> int:
+        return self._staged.register(staging)
+
+    def staging_busy(self) -> bool:
+        return self._staged.busy
 
     def usage(self) -> TierUsage:
         return self._counts.usage()

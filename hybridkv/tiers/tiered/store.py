@@ -227,6 +227,14 @@ class TieredStore(Tier):
             self._stats.deletes += sum(present)
         return sum(present)
 
+    def register_staging(self, staging: Buffer) -> int:
+        """Offered to every tier: reads and the first tier's stores see staging buffers."""
+        tiers = enumerate(self.tiers)
+        return max(self._guard(i, "register", 0, t.register_staging, staging) for i, t in tiers)
+
+    def staging_busy(self) -> bool:
+        return any(self._guard(i, "busy", False, t.staging_busy) for i, t in enumerate(self.tiers))
+
     # Bookkeeping ---------------------------------------------------------------
 
     def record_hit_tokens(self, tier_index: int, num_tokens: int) -> None:

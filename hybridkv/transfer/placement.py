@@ -1,0 +1,105 @@
+"""Where a job's blocks lie in the staging arena, and the copies in and out of them.
+
+Runs in the worker process, under the transfer engine (not thread-safe by
+itself). Without header room, a part's blocks are consecutive rows, copied in
+one call per part. With room (a tier that frames objects in place asks for
+it, ``Tier.register_staging``), every block sits ``room_bytes`` behind the
+start of its own aligned slot, and blocks are copied one call each: the tier
+then writes its header into the room and moves header and payload as one
+slice, with no copy of its own. The price is the copier's per-call cost per
+block (128 blocks of 128 KiB: 7.7 ms against 2.3 ms in one call on a loaded
+2-core host); a copier call taking rows that lie apart would remove it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.tiers.base import Buffer, GetStatus, PutStatus
+from hybridkv.transfer.copier import BlockCopier
+from hybridkv.transfer.jobs import Job, TransferPart
+from hybridkv.transfer.staging import STAGING_ALIGN_BYTES, StagingArena
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // STAGING_ALIGN_BYTES) * STAGING_ALIGN_BYTES
+
+
+class StagingPlacement:
+    def __init__(self, arena: StagingArena, copier: BlockCopier, room_bytes: int) -> None:
+        if isinstance(room_bytes, bool) or not isinstance(room_bytes, int) or room_bytes < 0:
+            raise ValueError(
+                f"tier asked for header room {room_bytes!r}; register_staging must return "
+                "an int >= 0 (0: no room)"
+            )
+        self.arena = arena
+        self.copier = copier
+        self.room_bytes = _aligned(room_bytes)
+        """Bytes in front of each block's payload (aligned up, so payloads stay aligned)."""
+
+    def stride(self, group_id: int) -> int:
+        """Bytes from one block of the group to the next within a part."""
+        block_bytes = self.copier.block_bytes(group_id)
+        return _aligned(self.room_bytes + block_bytes) if self.room_bytes else block_bytes
+
+    def plan(self, parts: Sequence[TransferPart]) -> tuple[tuple[int, ...], int]:
+        """Each part's offset within the job's region, and the region's size."""
+        offsets: list[int] = []
+        total = 0
+        for part in parts:
+            offsets.append(total)
+            total += self.arena.region_bytes(len(part.block_ids) * self.stride(part.group_id))
+        if total > self.arena.total_bytes:
+            raise ValueError(
+                f"job needs {total} staging bytes but the arena has {self.arena.total_bytes}; "
+                "split the job or raise TransferConfig.staging_bytes"
+            )
+        return tuple(offsets), total
+
+    def buffers(self, job: Job) -> list[Buffer]:
+        """One payload view per block, in job order."""
+        return [view for i, part in enumerate(job.parts) for view in self._blocks(job, i, part)]
+
+    def gather(self, job: Job) -> None:
+        for i, part in enumerate(job.parts):
+            if not part.block_ids:
+                continue
+            if not self.room_bytes:
+                self.copier.gather(part.group_id, part.block_ids, self._rows(job, i, part))
+                continue
+            for block_id, view in zip(part.block_ids, self._blocks(job, i, part), strict=True):
+                self.copier.gather(part.group_id, [block_id], view)
+
+    def scatter(self, job: Job, statuses: Sequence[GetStatus | PutStatus]) -> None:
+        """Copy back the blocks answered OK, and only those."""
+        start = 0
+        for i, part in enumerate(job.parts):
+            part_statuses = statuses[start : start + len(part.block_ids)]
+            start += len(part.block_ids)
+            ok_rows = [r for r, s in enumerate(part_statuses) if s is GetStatus.OK]
+            if not ok_rows:
+                continue
+            if self.room_bytes:
+                views = self._blocks(job, i, part)
+                for r in ok_rows:
+                    self.copier.scatter(part.group_id, [part.block_ids[r]], views[r])
+                continue
+            rows = None if len(ok_rows) == len(part_statuses) else ok_rows
+            self.copier.scatter(
+                part.group_id, part.block_ids, self._rows(job, i, part), only_rows=rows
+            )
+
+    def _rows(self, job: Job, index: int, part: TransferPart) -> Buffer:
+        """A part's blocks as one array (only without room: they are consecutive)."""
+        assert job.staging_offset is not None and not self.room_bytes
+        nbytes = len(part.block_ids) * self.copier.block_bytes(part.group_id)
+        return self.arena.view(job.staging_offset + job.part_offsets[index], nbytes)
+
+    def _blocks(self, job: Job, index: int, part: TransferPart) -> list[Buffer]:
+        assert job.staging_offset is not None or not part.block_ids
+        block_bytes = self.copier.block_bytes(part.group_id)
+        stride = self.stride(part.group_id)
+        first = (job.staging_offset or 0) + job.part_offsets[index] + self.room_bytes
+        return [
+            self.arena.view(first + k * stride, block_bytes) for k in range(len(part.block_ids))
+        ]
