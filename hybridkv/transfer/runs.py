@@ -1,0 +1,143 @@
+"""Host memory copies of many scattered runs of bytes in one native call.
+
+Runs in the worker process, on the calling thread, without the GIL. A run is
+(destination address, source address, size in bytes). ``copy_runs`` copies
+them in order with inlined 128-byte vector moves and, while it copies one
+run, prefetches the start of the next run's source and destination.
+
+Why not ``memcpy`` per run (``np.take`` over ``void`` elements, torch's
+``index_select``): at the start of each scattered run the hardware
+prefetcher has nothing to go on, so every run of a few KiB stalls on memory
+first; and glibc picks ``rep movsb`` for runs under half of L2, which some
+CPUs (AMD EPYC under KVM) run slower than their vector loop. Together that
+left 4-16 KiB blocks at 0.75-0.85 of one long copy; prefetching the next run
+brings them to the long copy's speed (``benchmarks/bench_transfer.py``).
+
+``merge_runs`` joins runs that continue each other on both sides, so blocks
+adjacent in the cache and in the staging rows move as one run.
+
+Addresses are raw: callers pass only runs inside buffers they hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+LINE_BYTES = 128
+"""Bytes per inlined vector move (four 32-byte AVX2 registers)."""
+PREFETCH_BYTES = 1024
+"""How much of the next run to prefetch; the hardware prefetcher streams the rest."""
+
+Runs = npt.NDArray[np.int64]
+"""(3, num_runs) int64: destination addresses, source addresses, sizes in bytes."""
+
+
+@intrinsic  # type: ignore[untyped-decorator]
+def _move_line(typingctx: Any, dst: Any, src: Any) -> Any:
+    """memcpy of LINE_BYTES (a constant size, so LLVM inlines vector moves)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bytes_ptr = ir.IntType(8).as_pointer()
+        dst_ptr = builder.inttoptr(args[0], bytes_ptr)
+        src_ptr = builder.inttoptr(args[1], bytes_ptr)
+        size = context.get_constant(types.intp, LINE_BYTES)
+        cgutils.raw_memcpy(builder, dst_ptr, src_ptr, size, 1)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator]
+def _move_tail(typingctx: Any, dst: Any, src: Any, nbytes: Any) -> Any:
+    """memcpy of a run's last ``nbytes < LINE_BYTES``."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bytes_ptr = ir.IntType(8).as_pointer()
+        dst_ptr = builder.inttoptr(args[0], bytes_ptr)
+        src_ptr = builder.inttoptr(args[1], bytes_ptr)
+        cgutils.raw_memcpy(builder, dst_ptr, src_ptr, args[2], 1)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64, types.int64), codegen
+
+
+def _prefetch_intrinsic(for_write: int) -> Any:
+    """``llvm.prefetch`` of one cache line, for reading or writing, into all levels."""
+
+    @intrinsic  # type: ignore[untyped-decorator]
+    def prefetch(typingctx: Any, address: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            bytes_ptr = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fn_type = ir.FunctionType(ir.VoidType(), [bytes_ptr, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fn_type, "llvm.prefetch.p0")
+            pointer = builder.inttoptr(args[0], bytes_ptr)
+            builder.call(fn, [pointer, i32(for_write), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(types.int64), codegen
+
+    return prefetch
+
+
+_prefetch_read = _prefetch_intrinsic(0)
+_prefetch_write = _prefetch_intrinsic(1)
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _copy_runs(dst: Runs, src: Runs, sizes: Runs) -> None:  # pragma: no cover - native
+    num_runs = len(sizes)
+    for i in range(num_runs):
+        d, s, size = dst[i], src[i], sizes[i]
+        following = i + 1 if i + 1 < num_runs else i
+        next_dst, next_src = dst[following], src[following]
+        whole = size - size % LINE_BYTES
+        ahead = min(PREFETCH_BYTES, whole)
+        offset = 0
+        while offset < ahead:
+            _prefetch_read(next_src + offset)
+            _prefetch_read(next_src + offset + 64)
+            _prefetch_write(next_dst + offset)
+            _prefetch_write(next_dst + offset + 64)
+            _move_line(d + offset, s + offset)
+            offset += LINE_BYTES
+        while offset < whole:
+            _move_line(d + offset, s + offset)
+            offset += LINE_BYTES
+        if offset < size:
+            _move_tail(d + offset, s + offset, size - offset)
+
+
+def copy_runs(runs: Runs) -> None:
+    """Copy every run of ``runs`` (see ``Runs``), in order."""
+    assert runs.dtype == np.int64 and runs.ndim == 2 and runs.shape[0] == 3, runs.shape
+    if runs.shape[1]:
+        _copy_runs(runs[0], runs[1], runs[2])
+
+
+def merge_runs(runs: Runs) -> Runs:
+    """``runs`` with each stretch of runs that continue each other (both addresses
+    follow on from the previous run's end) joined into one run, order kept."""
+    if runs.shape[1] < 2:
+        return runs
+    ends = runs[:2, :-1] + runs[2, :-1]
+    continues = (runs[0, 1:] == ends[0]) & (runs[1, 1:] == ends[1])
+    if not continues.any():
+        return runs
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    sizes = np.add.reduceat(runs[2], starts)
+    return np.stack((runs[0, starts], runs[1, starts], sizes))
+
+
+def warm_up() -> None:
+    """Compile (or load) the native copy now rather than on the first transfer."""
+    buffer = np.zeros(2 * LINE_BYTES + 2, np.uint8)
+    address = buffer.ctypes.data
+    copy_runs(np.array([[address], [address + LINE_BYTES + 1], [LINE_BYTES + 1]], np.int64))
