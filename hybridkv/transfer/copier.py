@@ -185,7 +185,7 @@ class BlockCopier:
 
     def _copy(self, call_runs: npt.NDArray[np.int64]) -> None:
         assert self._native is not None
-        self._native.copy_runs(self._native.merge_runs(call_runs))
+        self._native.copy_runs(call_runs)
 
     def _span(self, group_id: int, span: BlockSpan) -> _Span:
         block_tensor = self.caches.tensors[span.tensor_idx]

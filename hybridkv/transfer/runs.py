@@ -13,8 +13,8 @@ CPUs (AMD EPYC under KVM) run slower than their vector loop. Together that
 left 4-16 KiB blocks at 0.75-0.85 of one long copy; prefetching the next run
 brings them to the long copy's speed (``benchmarks/bench_transfer.py``).
 
-``merge_runs`` joins runs that continue each other on both sides, so blocks
-adjacent in the cache and in the staging rows move as one run.
+Runs that continue each other on both sides (blocks adjacent in the cache
+and in the staging rows) are joined and move as one run.
 
 Addresses are raw: callers pass only runs inside buffers they hold.
 """
@@ -92,12 +92,14 @@ _prefetch_write = _prefetch_intrinsic(1)
 
 
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
-def _copy_runs(dst: Runs, src: Runs, sizes: Runs) -> None:  # pragma: no cover - native
+def _copy_runs(dst: Runs, src: Runs, sizes: Runs) -> int:  # pragma: no cover - native
     num_runs = len(sizes)
-    for i in range(num_runs):
-        d, s, size = dst[i], src[i], sizes[i]
-        following = i + 1 if i + 1 < num_runs else i
-        next_dst, next_src = dst[following], src[following]
+    copied = 0
+    start, end = 0, _merged_end(dst, src, sizes, 0)
+    while start < num_runs:
+        following = _merged_end(dst, src, sizes, end)
+        d, s, size = dst[start], src[start], _sum(sizes, start, end)
+        next_dst, next_src = (dst[end], src[end]) if end < num_runs else (d, s)
         whole = size - size % LINE_BYTES
         ahead = min(PREFETCH_BYTES, whole)
         offset = 0
@@ -113,27 +115,40 @@ def _copy_runs(dst: Runs, src: Runs, sizes: Runs) -> None:  # pragma: no cover -
             offset += LINE_BYTES
         if offset < size:
             _move_tail(d + offset, s + offset, size - offset)
+        copied += 1
+        start, end = end, following
+    return copied
 
 
-def copy_runs(runs: Runs) -> None:
-    """Copy every run of ``runs`` (see ``Runs``), in order."""
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _merged_end(dst: Runs, src: Runs, sizes: Runs, i: int) -> int:  # pragma: no cover
+    """End of the stretch of runs from ``i`` that continue each other on both sides."""
+    if i >= len(sizes):
+        return i
+    end_dst, end_src = dst[i] + sizes[i], src[i] + sizes[i]
+    j = i + 1
+    while j < len(sizes) and dst[j] == end_dst and src[j] == end_src:
+        end_dst += sizes[j]
+        end_src += sizes[j]
+        j += 1
+    return j
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _sum(sizes: Runs, start: int, end: int) -> int:  # pragma: no cover - native
+    total = 0
+    for i in range(start, end):
+        total += sizes[i]
+    return total
+
+
+def copy_runs(runs: Runs) -> int:
+    """Copy every run of ``runs`` (see ``Runs``), in order; runs that continue each
+    other on both sides go as one. Returns how many runs it copied after joining."""
     assert runs.dtype == np.int64 and runs.ndim == 2 and runs.shape[0] == 3, runs.shape
-    if runs.shape[1]:
-        _copy_runs(runs[0], runs[1], runs[2])
-
-
-def merge_runs(runs: Runs) -> Runs:
-    """``runs`` with each stretch of runs that continue each other (both addresses
-    follow on from the previous run's end) joined into one run, order kept."""
-    if runs.shape[1] < 2:
-        return runs
-    ends = runs[:2, :-1] + runs[2, :-1]
-    continues = (runs[0, 1:] == ends[0]) & (runs[1, 1:] == ends[1])
-    if not continues.any():
-        return runs
-    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
-    sizes = np.add.reduceat(runs[2], starts)
-    return np.stack((runs[0, starts], runs[1, starts], sizes))
+    if not runs.shape[1]:
+        return 0
+    return int(_copy_runs(runs[0], runs[1], runs[2]))
 
 
 def warm_up() -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hybridkv.layout import KVLayoutKind, allocate_kv_caches, canonicalize
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.transfer import BlockCopier
-from hybridkv.transfer.runs import LINE_BYTES, PREFETCH_BYTES, copy_runs, merge_runs
+from hybridkv.transfer.runs import LINE_BYTES, PREFETCH_BYTES, copy_runs
 
 SIZES = st.sampled_from([0, 1, 7, LINE_BYTES - 1, LINE_BYTES, LINE_BYTES + 1, 1000])
 SIZES |= st.sampled_from([PREFETCH_BYTES, PREFETCH_BYTES + 3 * LINE_BYTES + 5, 3 * 4096])
@@ -56,40 +56,45 @@ def run_lists(draw: st.DrawFn) -> tuple[list[int], list[int], list[int]]:
     )
 
 
+def joined_count(dst_starts: list[int], src_starts: list[int], sizes: list[int]) -> int:
+    """Runs left after joining each run that continues its predecessor on both sides."""
+    count = 0
+    for i, (d, s) in enumerate(zip(dst_starts, src_starts, strict=True)):
+        continues = i and (d, s) == (
+            dst_starts[i - 1] + sizes[i - 1],
+            src_starts[i - 1] + sizes[i - 1],
+        )
+        count += not continues
+    return count
+
+
 @settings(max_examples=150, deadline=None)
 @given(run_lists())
-def test_copy_runs_and_merged_runs_write_what_a_byte_loop_writes(
+def test_copy_runs_writes_what_a_byte_loop_writes_and_joins_continuing_runs(
     case: tuple[list[int], list[int], list[int]],
 ) -> None:
     dst_starts, src_starts, sizes = case
-    src = np.frombuffer(random.Random(len(sizes)).randbytes(80 << 10), np.uint8).copy()
-    want = np.zeros(80 << 10, np.uint8)
+    nbytes = max(
+        [64 << 10, *(a + n for a, n in zip(dst_starts + src_starts, sizes * 2, strict=True))]
+    )
+    src = np.frombuffer(random.Random(len(sizes)).randbytes(nbytes), np.uint8).copy()
+    want = np.zeros(nbytes, np.uint8)
     for d, s, n in zip(dst_starts, src_starts, sizes, strict=True):
         want[d : d + n] = src[s : s + n]
-    for merge in (False, True):
-        dst = np.zeros_like(want)
-        runs = runs_over(dst, src, dst_starts, src_starts, sizes)
-        if merge:
-            merged = merge_runs(runs)
-            assert merged[2].sum() == sum(sizes)
-            ends = merged[:2, :-1] + merged[2, :-1]
-            continues = (merged[0, 1:] == ends[0]) & (merged[1, 1:] == ends[1])
-            assert not continues.any(), "a run that continues its predecessor was left"
-            runs = merged
-        copy_runs(runs)
-        assert np.array_equal(dst, want)
+    dst = np.zeros_like(want)
+    copied = copy_runs(runs_over(dst, src, dst_starts, src_starts, sizes))
+    assert np.array_equal(dst, want)
+    assert copied == joined_count(dst_starts, src_starts, sizes)
 
 
-def test_merge_runs_joins_exactly_the_runs_that_continue_on_both_sides() -> None:
-    runs = np.array(
-        [
-            [100, 110, 120, 200, 210],  # destinations: 0-2 continue, 3-4 continue
-            [500, 510, 520, 700, 999],  # sources: 0-2 continue, 3-4 do not
-            [10, 10, 5, 10, 10],
-        ],
-        dtype=np.int64,
-    )
-    assert merge_runs(runs).tolist() == [[100, 200, 210], [500, 700, 999], [25, 10, 10]]
+def test_copy_runs_joins_exactly_the_runs_that_continue_on_both_sides() -> None:
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, np.uint8)
+    # Destinations: runs 0-2 continue each other, 3-4 too; sources: 0-2 do, 3-4 do not.
+    runs = runs_over(dst, src, [100, 110, 120, 200, 210], [0, 10, 20, 50, 99], [10, 10, 5, 10, 10])
+    assert copy_runs(runs) == 3
+    assert dst[100:125].tolist() == list(range(25))
+    assert dst[200:220].tolist() == [*range(50, 60), *range(99, 109)]
 
 
 def layout_of(pages: tuple[int, ...]) -> KVLayoutSpec:
