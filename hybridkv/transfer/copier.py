@@ -50,14 +50,11 @@ class _Span(NamedTuple):
 
 
 class _Runs(NamedTuple):
-    """Where a group's spans lie, as arrays for forming a call's runs (CPU)."""
+    """Where a group's spans lie, for forming a call's runs (CPU)."""
 
-    cache_starts: npt.NDArray[np.int64]
-    """(num_spans,) address of each span in block 0, in object order."""
-    cache_steps: npt.NDArray[np.int64]
-    """(num_spans,) bytes from one block's span to the next block's."""
-    object_offsets: npt.NDArray[np.int64]
-    num_bytes: npt.NDArray[np.int64]
+    spans: npt.NDArray[np.int64]
+    """(4, num_spans), in object order: address of the span in block 0, bytes from
+    one block's span to the next block's, offset in the block object, size."""
     block_order: bool
     """Runs go block by block (no two spans share bytes), else span by span."""
 
@@ -140,8 +137,7 @@ class BlockCopier:
             rows = torch.from_numpy(out).view(len(block_ids), self.block_bytes(group_id))
             self._gather_cuda(group_id, torch.from_numpy(ids), rows)
             return
-        cache, staging, sizes = self._call_runs(group_id, ids, np.arange(len(ids)), out)
-        self._copy(np.stack((staging, cache, sizes)))
+        self._copy(group_id, ids, np.arange(len(ids)), out, to_staging=True)
 
     def scatter(
         self,
@@ -162,30 +158,26 @@ class BlockCopier:
             rows = src.reshape(len(block_ids), self.block_bytes(group_id))[picked]
             self._scatter_cuda(group_id, torch.from_numpy(ids), torch.from_numpy(rows))
             return
-        cache, staging, sizes = self._call_runs(group_id, ids, picked, src)
-        self._copy(np.stack((cache, staging, sizes)))
+        self._copy(group_id, ids, picked, src, to_staging=False)
 
-    def _call_runs(
+    def _copy(
         self,
         group_id: int,
         ids: npt.NDArray[np.int64],
         rows: npt.NDArray[np.int64],
         staging: npt.NDArray[np.uint8],
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Cache addresses, staging addresses and sizes of one call's runs, in copy
-        order: block ``ids[i]`` goes to or from staging row ``rows[i]``."""
-        plan = self._runs[group_id]
-        row_starts = staging.ctypes.data + rows * self.block_bytes(group_id)
-        cache = plan.cache_starts + ids[:, None] * plan.cache_steps
-        rows_at = row_starts[:, None] + plan.object_offsets
-        sizes = np.broadcast_to(plan.num_bytes, cache.shape)
-        if not plan.block_order:
-            cache, rows_at, sizes = cache.T, rows_at.T, sizes.T
-        return cache.reshape(-1), rows_at.reshape(-1), sizes.reshape(-1)
-
-    def _copy(self, call_runs: npt.NDArray[np.int64]) -> None:
+        *,
+        to_staging: bool,
+    ) -> None:
+        """Move block ``ids[i]`` to or from staging row ``rows[i]``, in one native call
+        to form the runs and one to copy them."""
         assert self._native is not None
-        self._native.copy_runs(call_runs)
+        plan = self._runs[group_id]
+        address, row_bytes = staging.ctypes.data, self.block_bytes(group_id)
+        runs = self._native.block_runs(
+            ids, rows, address, row_bytes, plan.spans, plan.block_order, to_staging
+        )
+        self._native.copy_runs(runs)
 
     def _span(self, group_id: int, span: BlockSpan) -> _Span:
         block_tensor = self.caches.tensors[span.tensor_idx]
@@ -202,14 +194,12 @@ class BlockCopier:
     def _group_runs(self, group_id: int) -> _Runs:
         spans = self.caches.group_block_spans(group_id)
         tensors = [self.caches.tensors[s.tensor_idx] for s in spans]
+        spans_at = [
+            (t.data_ptr() + s.offset_bytes, t.stride(0), s.object_offset_bytes, s.num_bytes)
+            for t, s in zip(tensors, spans, strict=True)
+        ]
         return _Runs(
-            cache_starts=np.array(
-                [t.data_ptr() + s.offset_bytes for t, s in zip(tensors, spans, strict=True)],
-                dtype=np.int64,
-            ),
-            cache_steps=np.array([t.stride(0) for t in tensors], dtype=np.int64),
-            object_offsets=np.array([s.object_offset_bytes for s in spans], dtype=np.int64),
-            num_bytes=np.array([s.num_bytes for s in spans], dtype=np.int64),
+            spans=np.array(spans_at, dtype=np.int64).T.copy(),
             block_order=not self._may_share_bytes(group_id),
         )
 
