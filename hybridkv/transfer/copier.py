@@ -155,7 +155,9 @@ class BlockCopier:
             picked = _index(only_rows, len(block_ids), "only_rows")
             ids = ids[picked]
         if self.is_cuda:
-            rows = src.reshape(len(block_ids), self.block_bytes(group_id))[picked]
+            rows = src.reshape(len(block_ids), self.block_bytes(group_id))
+            if only_rows is not None:
+                rows = rows[picked]
             self._scatter_cuda(group_id, torch.from_numpy(ids), torch.from_numpy(rows))
             return
         self._copy(group_id, ids, picked, src, to_staging=False)
