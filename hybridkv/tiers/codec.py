@@ -21,7 +21,9 @@ from hybridkv.tiers.base import Buffer, StoreKey
 
 MAGIC = b"HKV1"
 VERSION = 1
-_HEADER = struct.Struct("<4sHHQQ16s8x")
+HEADER_FORMAT = "<4sHHQQ16s8x"
+"""magic, version, flags, payload length, payload checksum, key digest, padding."""
+_HEADER = struct.Struct(HEADER_FORMAT)
 HEADER_BYTES = _HEADER.size
 
 

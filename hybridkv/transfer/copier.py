@@ -4,28 +4,19 @@ Runs in the worker process. ``gather`` copies the blocks of one group into
 consecutive staging rows of ``block_bytes`` (one object per block); ``scatter``
 copies rows back. There is no Python loop over blocks.
 
-CPU, grid path: when every span of a group has the same size and starts on one
-grid of that size in one storage (block-major rows as wide as the group block;
-layer-major slots as wide as the page, as ``allocate_kv_caches`` and vLLM's
-one-buffer caches lay them out), the cache is viewed as one 1-D array of
-span-sized ``void`` elements, and a whole call is one ``np.take(out=...)``
-(gather) or ``np.put`` (scatter) over element indices (block id times the row
-step, plus each span's start, precomputed), block by block in object order.
-Each element is one ``memcpy``, which beats ``torch.index_select``'s copy
-loop on small spans, and one op per call instead of one per layer is what
-counts with few blocks per call (``benchmarks/bench_transfer.py``). Spans
-that would share an element (aliased layers) never take this path, so both
-paths write in the same order.
-
-CPU, general path (a tensor per layer, padded rows, slots of different row
-strides): each span moves all requested blocks in one indexed op, viewed as the
-widest integer type the alignment allows: gather with
-``torch.index_select(out=...)``, scatter with numpy assignment over whole-span
-``void`` elements (one memcpy per block and span).
+CPU: every copy of a call is one run of bytes (one span of one block), and
+all runs go to ``runs.copy_runs`` in one native call, which prefetches the
+next run while it copies one (``memcpy`` per block left 4-16 KiB blocks at
+0.75-0.85 of one long copy on AMD EPYC; see ``runs``). Runs that continue
+each other on both sides (adjacent blocks of a block-major cache, in order)
+merge into one. Runs go block by block in object order, so the staging side
+is read or written front to back, unless spans of the group may share bytes
+(aliased layers): then span by span, the order writes through the per-layer
+views would take, so the last layer written wins as it would there.
 
 Block ids become a numpy array once per call with ``np.array`` (cheaper than
-``torch.as_tensor`` for a list) and are range-checked (numpy would wrap a
-negative id). Copies run on the calling thread only.
+``torch.as_tensor`` for a list) and are range-checked before any address is
+formed. Copies run on the calling thread only, without the GIL.
 
 CUDA: per-span indexed ops on a side stream that first waits for the compute
 stream, device <-> pinned host copies on that stream, and an event the call
@@ -36,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -48,28 +40,23 @@ _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
 
 
 class _Span(NamedTuple):
+    """One span of a group's block, as the CUDA path moves it."""
+
     src: torch.Tensor
     """(num_blocks, num_bytes // width) view of the KV bytes, widest dtype."""
-    src_bytes: torch.Tensor
-    """The same bytes as int8, for staging buffers not aligned to ``width``."""
-    rows: npt.NDArray[np.void] | None
-    """(num_blocks,) numpy view, one ``void`` element per block (CPU only)."""
     object_offset: int
     num_bytes: int
-    width: int
     dtype: torch.dtype
 
 
-class _Grid(NamedTuple):
-    """A group whose spans all start on one grid of ``span_bytes`` in one storage."""
+class _Runs(NamedTuple):
+    """Where a group's spans lie, for forming a call's runs (CPU)."""
 
-    chunks: npt.NDArray[np.void]
-    """1-D contiguous numpy view, one ``void`` element per ``span_bytes`` of the grid."""
-    block_step: int
-    """Elements from one block's span to the next block's."""
-    span_starts: npt.NDArray[np.int64]
-    """(num_spans,) element of each span of block 0, in object order."""
-    span_bytes: int
+    spans: npt.NDArray[np.int64]
+    """(4, num_spans), in object order: address of the span in block 0, bytes from
+    one block's span to the next block's, offset in the block object, size."""
+    block_order: bool
+    """Runs go block by block (no two spans share bytes), else span by span."""
 
 
 def _widest(*values: int) -> tuple[int, torch.dtype]:
@@ -98,27 +85,36 @@ class BlockCopier:
         self.caches = caches
         self.device = caches.device
         self.is_cuda = self.device.type == "cuda"
-        self._spans = [
-            [self._span(g, span) for span in caches.group_block_spans(g)]
-            for g in range(caches.layout.num_groups)
-        ]
-        self._grids = [
-            None if self.is_cuda else self._grid(g) for g in range(caches.layout.num_groups)
-        ]
+        num_groups = caches.layout.num_groups
+        self._spans: list[list[_Span]] = []
+        self._runs: list[_Runs] = []
         self._stream: torch.cuda.Stream | None = None
+        self._native: ModuleType | None = None
         if self.is_cuda:
+            self._spans = [
+                [self._span(g, span) for span in caches.group_block_spans(g)]
+                for g in range(num_groups)
+            ]
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        else:
+            # Imported here: compiling (or loading) the native copy takes a second or
+            # two, which only processes that copy on CPU should pay.
+            from hybridkv.transfer import runs
+
+            runs.warm_up()
+            self._native = runs
+            self._runs = [self._group_runs(g) for g in range(num_groups)]
 
     def block_bytes(self, group_id: int) -> int:
         return self.caches.layout.groups[group_id].block_bytes
 
     def copies_per_block(self, group_id: int) -> int:
         """Spans per block: 1 for a block-major group, its layer count otherwise."""
-        return len(self._spans[group_id])
+        return len(self.caches.group_block_spans(group_id))
 
-    def uses_grid(self, group_id: int) -> bool:
-        """Whether the group's CPU copies take the one-op grid path (see module doc)."""
-        return self._grids[group_id] is not None
+    def copies_block_by_block(self, group_id: int) -> bool:
+        """Whether the group's CPU copies go block by block (see module doc)."""
+        return self._runs[group_id].block_order
 
     def check_block_ids(self, group_id: int, block_ids: Sequence[int]) -> str | None:
         """A problem with the block ids, or None when all are valid and distinct."""
@@ -137,24 +133,11 @@ class BlockCopier:
         """Copy blocks into ``out`` (1-D uint8, ``len(block_ids) * block_bytes``)."""
         self._check_buffer(group_id, len(block_ids), out)
         ids = self._block_index(block_ids)
-        grid = self._grids[group_id]
-        if grid is not None:
-            # "clip" never clips (ids are checked); "raise" would copy ``out`` first.
-            rows_void = out.view(np.dtype((np.void, grid.span_bytes)))
-            np.take(grid.chunks, self._chunk_index(grid, ids), out=rows_void, mode="clip")
-            return
-        idx = torch.from_numpy(ids)
-        rows = torch.from_numpy(out).view(len(block_ids), self.block_bytes(group_id))
         if self.is_cuda:
-            self._gather_cuda(group_id, idx, rows)
+            rows = torch.from_numpy(out).view(len(block_ids), self.block_bytes(group_id))
+            self._gather_cuda(group_id, torch.from_numpy(ids), rows)
             return
-        address = out.ctypes.data
-        for span in self._spans[group_id]:
-            dst = rows[:, span.object_offset : span.object_offset + span.num_bytes]
-            if address % span.width == 0:
-                torch.index_select(span.src, 0, idx, out=dst.view(span.dtype))
-            else:
-                torch.index_select(span.src_bytes, 0, idx, out=dst.view(torch.int8))
+        self._copy(group_id, ids, np.arange(len(ids)), out, to_staging=True)
 
     def scatter(
         self,
@@ -167,82 +150,95 @@ class BlockCopier:
         """Copy rows of ``src`` back into the blocks; ``only_rows`` picks a subset."""
         self._check_buffer(group_id, len(block_ids), src)
         ids = self._block_index(block_ids)
-        rows = src.reshape(len(block_ids), self.block_bytes(group_id))
+        picked = np.arange(len(ids))
         if only_rows is not None:
-            pick = _index(only_rows, len(block_ids), "only_rows")
-            rows, ids = rows[pick], ids[pick]
+            picked = _index(only_rows, len(block_ids), "only_rows")
+            ids = ids[picked]
         if self.is_cuda:
+            rows = src.reshape(len(block_ids), self.block_bytes(group_id))
+            if only_rows is not None:
+                rows = rows[picked]
             self._scatter_cuda(group_id, torch.from_numpy(ids), torch.from_numpy(rows))
             return
-        grid = self._grids[group_id]
-        if grid is not None:
-            rows_void = rows.view(np.dtype((np.void, grid.span_bytes))).reshape(-1)
-            np.put(grid.chunks, self._chunk_index(grid, ids), rows_void)
-            return
-        for span in self._spans[group_id]:
-            assert span.rows is not None
-            part = rows[:, span.object_offset : span.object_offset + span.num_bytes]
-            span.rows[ids] = part.view(np.dtype((np.void, span.num_bytes)))[:, 0]
+        self._copy(group_id, ids, picked, src, to_staging=False)
+
+    def _copy(
+        self,
+        group_id: int,
+        ids: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int64],
+        staging: npt.NDArray[np.uint8],
+        *,
+        to_staging: bool,
+    ) -> None:
+        """Move block ``ids[i]`` to or from staging row ``rows[i]``, in one native call
+        to form the runs and one to copy them."""
+        assert self._native is not None
+        plan = self._runs[group_id]
+        address, row_bytes = staging.ctypes.data, self.block_bytes(group_id)
+        runs = self._native.block_runs(
+            ids, rows, address, row_bytes, plan.spans, plan.block_order, to_staging
+        )
+        self._native.copy_runs(runs)
 
     def _span(self, group_id: int, span: BlockSpan) -> _Span:
         block_tensor = self.caches.tensors[span.tensor_idx]
         narrow = block_tensor[:, span.offset_bytes : span.offset_bytes + span.num_bytes]
-        width, dtype = _widest(
+        _, dtype = _widest(
             narrow.data_ptr(),
             block_tensor.stride(0),
             span.num_bytes,
             span.object_offset_bytes,
             self.block_bytes(group_id),
         )
-        rows = None
-        if not self.is_cuda:
-            rows = narrow.numpy().view(np.dtype((np.void, span.num_bytes)))[:, 0]
-        return _Span(
-            narrow.view(dtype), narrow, rows, span.object_offset_bytes, span.num_bytes, width, dtype
-        )
+        return _Span(narrow.view(dtype), span.object_offset_bytes, span.num_bytes, dtype)
 
-    def _grid(self, group_id: int) -> _Grid | None:
-        """The group's spans as elements of one grid of ``span_bytes`` over one storage,
-        or None when they differ in size, storage or row stride, start off the grid, or
-        would share an element (so the general path keeps its exact behaviour)."""
+    def _group_runs(self, group_id: int) -> _Runs:
         spans = self.caches.group_block_spans(group_id)
         tensors = [self.caches.tensors[s.tensor_idx] for s in spans]
+        spans_at = [
+            (t.data_ptr() + s.offset_bytes, t.stride(0), s.object_offset_bytes, s.num_bytes)
+            for t, s in zip(tensors, spans, strict=True)
+        ]
+        return _Runs(
+            spans=np.array(spans_at, dtype=np.int64).T.copy(),
+            block_order=not self._may_share_bytes(group_id),
+        )
+
+    def _may_share_bytes(self, group_id: int) -> bool:
+        """Whether two spans (of any blocks) of the group may share bytes. False when
+        every span has its own storage, or when all have one size and row stride in
+        one storage and start on one grid of that size without meeting."""
+        spans = self.caches.group_block_spans(group_id)
+        tensors = [self.caches.tensors[s.tensor_idx] for s in spans]
+        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        if len(set(storages)) == len(storages):
+            return False
         first, span_bytes = tensors[0], spans[0].num_bytes
         row_stride = first.stride(0) if self.caches.num_blocks > 1 else span_bytes
-        storage = first.untyped_storage().data_ptr()
         if any(
-            t.untyped_storage().data_ptr() != storage
+            storage != storages[0]
             or (self.caches.num_blocks > 1 and t.stride(0) != row_stride)
             or s.num_bytes != span_bytes
-            for t, s in zip(tensors, spans, strict=True)
+            for storage, t, s in zip(storages, tensors, spans, strict=True)
         ):
-            return None
+            return True
         starts = [
             int(t.storage_offset()) + s.offset_bytes for t, s in zip(tensors, spans, strict=True)
         ]
         base = min(starts)
         if row_stride % span_bytes or any((start - base) % span_bytes for start in starts):
-            return None
+            return True
         block_step = row_stride // span_bytes
         elements = [(start - base) // span_bytes for start in starts]
-        # Blocks b, b' of spans i, j share an element iff e_i - e_j == (b' - b) * block_step.
+        # Blocks b, b' of spans i, j share bytes iff e_i - e_j == (b' - b) * block_step.
         for i, j in itertools.combinations(elements, 2):
             distance = abs(i - j)
             if distance == 0 or (
                 distance % block_step == 0 and distance // block_step < self.caches.num_blocks
             ):
-                return None
-        length = (self.caches.num_blocks - 1) * block_step + max(elements) + 1
-        flat = first.as_strided((length * span_bytes,), (1,), base)
-        chunks = flat.numpy().view(np.dtype((np.void, span_bytes)))
-        return _Grid(chunks, block_step, np.array(elements, dtype=np.int64), span_bytes)
-
-    @staticmethod
-    def _chunk_index(grid: _Grid, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """Grid elements of the requested blocks' spans, block by block in object order."""
-        if len(grid.span_starts) == 1 and grid.block_step == 1:
-            return ids + grid.span_starts[0] if grid.span_starts[0] else ids
-        return (ids[:, None] * grid.block_step + grid.span_starts).reshape(-1)
+                return True
+        return False
 
     def _check_buffer(self, group_id: int, num_ids: int, buf: npt.NDArray[np.uint8]) -> None:
         block_bytes = self.block_bytes(group_id)

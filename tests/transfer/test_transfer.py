@@ -781,12 +781,12 @@ def copier_case(name: str, seed: int) -> CopierCase:
 
 
 ALL_NAMES = [name for g in ALL_KINDS.groups for name in g.layer_names]
-COPIER_CASES = {  # case -> per group: does it take the grid path
+COPIER_CASES = {  # case -> per group: do its CPU copies go block by block
     "block_major": [True] * 4,
     "layer_major": [True] * 4,
     "mixed_slots": [False, True],
-    "padded_rows": [False, False],
-    "separate": [False] * 4,
+    "padded_rows": [True, True],  # one span per block
+    "separate": [True] * 4,  # a storage per layer: no span shares bytes
     "reversed_slots": [True],
     "gapped_rows": [True],
     "aliased_layers": [False],
@@ -813,7 +813,7 @@ def test_copier_paths_move_exactly_the_bytes_of_the_layer_views(name: str) -> No
     for group_id, g in enumerate(layout.groups):
         case, expected = copier_case(name, seed=5), copier_case(name, seed=5)
         copier = BlockCopier(canonicalize(case.kv_caches, case.layout))
-        assert copier.uses_grid(group_id) == COPIER_CASES[name][group_id]
+        assert copier.copies_block_by_block(group_id) == COPIER_CASES[name][group_id]
         ids = list(dict.fromkeys([*rng.sample(range(NUM_BLOCKS), 7), NUM_BLOCKS - 1, 0]))
         want = b"".join(
             case.pages[layer][b].numpy().tobytes() for b in ids for layer in g.layer_names

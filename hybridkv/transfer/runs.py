@@ -1,0 +1,191 @@
+"""Host memory copies of many scattered runs of bytes in one native call.
+
+Runs in the worker process, on the calling thread, without the GIL. A run is
+(destination address, source address, size in bytes). ``copy_runs`` copies
+them in order with inlined 128-byte vector moves and, while it copies one
+run, prefetches the start of the next run's source and destination.
+
+Why not ``memcpy`` per run (``np.take`` over ``void`` elements, torch's
+``index_select``): at the start of each scattered run the hardware
+prefetcher has nothing to go on, so every run of a few KiB stalls on memory
+first; and glibc picks ``rep movsb`` for runs under half of L2, which some
+CPUs (AMD EPYC under KVM) run slower than their vector loop. Together that
+left 4-16 KiB blocks at 0.75-0.85 of one long copy; prefetching the next run
+brings them to the long copy's speed (``benchmarks/bench_transfer.py``).
+
+Runs that continue each other on both sides (blocks adjacent in the cache
+and in the staging rows) are joined and move as one run.
+
+Addresses are raw: callers pass only runs inside buffers they hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+LINE_BYTES = 128
+"""Bytes per inlined vector move (four 32-byte AVX2 registers)."""
+PREFETCH_BYTES = 1024
+"""How much of the next run to prefetch; the hardware prefetcher streams the rest."""
+
+Runs = npt.NDArray[np.int64]
+"""(3, num_runs) int64: destination addresses, source addresses, sizes in bytes."""
+
+
+@intrinsic  # type: ignore[untyped-decorator]
+def _move_line(typingctx: Any, dst: Any, src: Any) -> Any:
+    """memcpy of LINE_BYTES (a constant size, so LLVM inlines vector moves)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bytes_ptr = ir.IntType(8).as_pointer()
+        dst_ptr = builder.inttoptr(args[0], bytes_ptr)
+        src_ptr = builder.inttoptr(args[1], bytes_ptr)
+        size = context.get_constant(types.intp, LINE_BYTES)
+        cgutils.raw_memcpy(builder, dst_ptr, src_ptr, size, 1)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator]
+def _move_tail(typingctx: Any, dst: Any, src: Any, nbytes: Any) -> Any:
+    """memcpy of a run's last ``nbytes < LINE_BYTES``."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bytes_ptr = ir.IntType(8).as_pointer()
+        dst_ptr = builder.inttoptr(args[0], bytes_ptr)
+        src_ptr = builder.inttoptr(args[1], bytes_ptr)
+        cgutils.raw_memcpy(builder, dst_ptr, src_ptr, args[2], 1)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64, types.int64), codegen
+
+
+def _prefetch_intrinsic(for_write: int) -> Any:
+    """``llvm.prefetch`` of one cache line, for reading or writing, into all levels."""
+
+    @intrinsic  # type: ignore[untyped-decorator]
+    def prefetch(typingctx: Any, address: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            bytes_ptr = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fn_type = ir.FunctionType(ir.VoidType(), [bytes_ptr, i32, i32, i32])
+            fn = cgutils.get_or_insert_function(builder.module, fn_type, "llvm.prefetch.p0")
+            pointer = builder.inttoptr(args[0], bytes_ptr)
+            builder.call(fn, [pointer, i32(for_write), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(types.int64), codegen
+
+    return prefetch
+
+
+_prefetch_read = _prefetch_intrinsic(0)
+_prefetch_write = _prefetch_intrinsic(1)
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _copy_runs(dst: Runs, src: Runs, sizes: Runs) -> int:  # pragma: no cover - native
+    num_runs = len(sizes)
+    copied = 0
+    start, end = 0, _merged_end(dst, src, sizes, 0)
+    while start < num_runs:
+        following = _merged_end(dst, src, sizes, end)
+        d, s, size = dst[start], src[start], _sum(sizes, start, end)
+        next_dst, next_src = (dst[end], src[end]) if end < num_runs else (d, s)
+        whole = size - size % LINE_BYTES
+        ahead = min(PREFETCH_BYTES, whole)
+        offset = 0
+        while offset < ahead:
+            _prefetch_read(next_src + offset)
+            _prefetch_read(next_src + offset + 64)
+            _prefetch_write(next_dst + offset)
+            _prefetch_write(next_dst + offset + 64)
+            _move_line(d + offset, s + offset)
+            offset += LINE_BYTES
+        while offset < whole:
+            _move_line(d + offset, s + offset)
+            offset += LINE_BYTES
+        if offset < size:
+            _move_tail(d + offset, s + offset, size - offset)
+        copied += 1
+        start, end = end, following
+    return copied
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _merged_end(dst: Runs, src: Runs, sizes: Runs, i: int) -> int:  # pragma: no cover
+    """End of the stretch of runs from ``i`` that continue each other on both sides."""
+    if i >= len(sizes):
+        return i
+    end_dst, end_src = dst[i] + sizes[i], src[i] + sizes[i]
+    j = i + 1
+    while j < len(sizes) and dst[j] == end_dst and src[j] == end_src:
+        end_dst += sizes[j]
+        end_src += sizes[j]
+        j += 1
+    return j
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _sum(sizes: Runs, start: int, end: int) -> int:  # pragma: no cover - native
+    total = 0
+    for i in range(start, end):
+        total += sizes[i]
+    return total
+
+
+def copy_runs(runs: Runs) -> int:
+    """Copy every run of ``runs`` (see ``Runs``), in order; runs that continue each
+    other on both sides go as one. Returns how many runs it copied after joining."""
+    assert runs.dtype == np.int64 and runs.ndim == 2 and runs.shape[0] == 3, runs.shape
+    if not runs.shape[1]:
+        return 0
+    return int(_copy_runs(runs[0], runs[1], runs[2]))
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def block_runs(
+    ids: Runs,
+    rows: Runs,
+    staging_address: int,
+    row_bytes: int,
+    spans: Runs,
+    block_order: bool,
+    to_staging: bool,
+) -> Runs:  # pragma: no cover - native
+    """The runs that move blocks ``ids[i]`` to (``to_staging``) or from staging row
+    ``rows[i]``. ``spans`` is (4, num_spans): address of each span in block 0, bytes
+    from one block's span to the next's, offset in the block object, size. Runs go
+    block by block (``block_order``) or span by span."""
+    num_ids, num_spans = len(ids), spans.shape[1]
+    runs = np.empty((3, num_ids * num_spans), np.int64)
+    for b in range(num_ids):
+        row = staging_address + rows[b] * row_bytes
+        for k in range(num_spans):
+            r = b * num_spans + k if block_order else k * num_ids + b
+            cache = spans[0, k] + ids[b] * spans[1, k]
+            staging = row + spans[2, k]
+            runs[0, r] = staging if to_staging else cache
+            runs[1, r] = cache if to_staging else staging
+            runs[2, r] = spans[3, k]
+    return runs
+
+
+def warm_up() -> None:
+    """Compile (or load) the native copy now rather than on the first transfer."""
+    buffer = np.zeros(2 * LINE_BYTES + 2, np.uint8)
+    address = buffer.ctypes.data
+    copy_runs(np.array([[address], [address + LINE_BYTES + 1], [LINE_BYTES + 1]], np.int64))
+    one = np.zeros(1, np.int64)
+    spans = np.array([[address], [0], [0], [1]], np.int64)
+    for block_order in (False, True):
+        for to_staging in (False, True):
+            block_runs(one, one, address + 1, 1, spans, block_order, to_staging)
