@@ -1,8 +1,9 @@
 """Batched block copies between canonical KV caches and staging rows.
 
 Runs in the worker process. ``gather`` copies the blocks of one group into
-consecutive staging rows of ``block_bytes`` (one object per block); ``scatter``
-copies rows back. There is no Python loop over blocks.
+staging rows of ``block_bytes`` (one object per block), consecutive or
+``row_stride`` bytes apart (room for a tier's header between them);
+``scatter`` copies rows back. There is no Python loop over blocks.
 
 CPU: every copy of a call is one run of bytes (one span of one block), and
 all runs go to ``runs.copy_runs`` in one native call, which prefetches the
@@ -129,15 +130,23 @@ class BlockCopier:
             return f"group {group_id}: block ids {list(block_ids)} has duplicates"
         return None
 
-    def gather(self, group_id: int, block_ids: Sequence[int], out: npt.NDArray[np.uint8]) -> None:
-        """Copy blocks into ``out`` (1-D uint8, ``len(block_ids) * block_bytes``)."""
-        self._check_buffer(group_id, len(block_ids), out)
+    def gather(
+        self,
+        group_id: int,
+        block_ids: Sequence[int],
+        out: npt.NDArray[np.uint8],
+        *,
+        row_stride: int | None = None,
+    ) -> None:
+        """Copy blocks into rows of ``out`` (1-D uint8): row ``i`` starts ``i * row_stride``
+        bytes in (default ``block_bytes``: consecutive rows); ``out`` ends with the last row."""
+        stride = self._check_buffer(group_id, len(block_ids), out, row_stride)
         ids = self._block_index(block_ids)
         if self.is_cuda:
-            rows = torch.from_numpy(out).view(len(block_ids), self.block_bytes(group_id))
+            rows = torch.from_numpy(self._row_view(group_id, len(block_ids), out, stride))
             self._gather_cuda(group_id, torch.from_numpy(ids), rows)
             return
-        self._copy(group_id, ids, np.arange(len(ids)), out, to_staging=True)
+        self._copy(group_id, ids, np.arange(len(ids)), out, stride, to_staging=True)
 
     def scatter(
         self,
@@ -146,21 +155,23 @@ class BlockCopier:
         src: npt.NDArray[np.uint8],
         *,
         only_rows: Sequence[int] | None = None,
+        row_stride: int | None = None,
     ) -> None:
-        """Copy rows of ``src`` back into the blocks; ``only_rows`` picks a subset."""
-        self._check_buffer(group_id, len(block_ids), src)
+        """Copy rows of ``src`` (laid out as ``gather`` writes them) back into the blocks;
+        ``only_rows`` picks a subset."""
+        stride = self._check_buffer(group_id, len(block_ids), src, row_stride)
         ids = self._block_index(block_ids)
         picked = np.arange(len(ids))
         if only_rows is not None:
             picked = _index(only_rows, len(block_ids), "only_rows")
             ids = ids[picked]
         if self.is_cuda:
-            rows = src.reshape(len(block_ids), self.block_bytes(group_id))
+            rows = self._row_view(group_id, len(block_ids), src, stride)
             if only_rows is not None:
                 rows = rows[picked]
             self._scatter_cuda(group_id, torch.from_numpy(ids), torch.from_numpy(rows))
             return
-        self._copy(group_id, ids, picked, src, to_staging=False)
+        self._copy(group_id, ids, picked, src, stride, to_staging=False)
 
     def _copy(
         self,
@@ -168,6 +179,7 @@ class BlockCopier:
         ids: npt.NDArray[np.int64],
         rows: npt.NDArray[np.int64],
         staging: npt.NDArray[np.uint8],
+        row_stride: int,
         *,
         to_staging: bool,
     ) -> None:
@@ -175,9 +187,9 @@ class BlockCopier:
         to form the runs and one to copy them."""
         assert self._native is not None
         plan = self._runs[group_id]
-        address, row_bytes = staging.ctypes.data, self.block_bytes(group_id)
+        address = staging.ctypes.data
         runs = self._native.block_runs(
-            ids, rows, address, row_bytes, plan.spans, plan.block_order, to_staging
+            ids, rows, address, row_stride, plan.spans, plan.block_order, to_staging
         )
         self._native.copy_runs(runs)
 
@@ -240,15 +252,30 @@ class BlockCopier:
                 return True
         return False
 
-    def _check_buffer(self, group_id: int, num_ids: int, buf: npt.NDArray[np.uint8]) -> None:
+    def _check_buffer(
+        self, group_id: int, num_ids: int, buf: npt.NDArray[np.uint8], row_stride: int | None
+    ) -> int:
+        """The row stride, after checking ``buf`` holds exactly ``num_ids`` rows."""
         block_bytes = self.block_bytes(group_id)
-        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != num_ids * block_bytes:
+        stride = block_bytes if row_stride is None else row_stride
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < block_bytes:
+            raise ValueError(f"row_stride {row_stride!r} must be an int >= {block_bytes}")
+        expected = (num_ids - 1) * stride + block_bytes if num_ids else 0
+        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != expected:
             raise ValueError(
                 f"staging buffer is {buf.dtype} {buf.shape}; expected 1-D uint8 of "
-                f"{num_ids} blocks x {block_bytes} bytes"
+                f"{expected} bytes ({num_ids} rows of {block_bytes} bytes, {stride} apart)"
             )
         if not buf.flags.c_contiguous:
             raise ValueError("staging buffer must be C-contiguous")
+        return stride
+
+    def _row_view(
+        self, group_id: int, num_ids: int, buf: npt.NDArray[np.uint8], stride: int
+    ) -> npt.NDArray[np.uint8]:
+        """(num_ids, block_bytes) rows of ``buf``, ``stride`` bytes apart (no copy)."""
+        shape = (num_ids, self.block_bytes(group_id))
+        return np.lib.stride_tricks.as_strided(buf, shape, (stride, 1), writeable=True)
 
     def _block_index(self, block_ids: Sequence[int]) -> npt.NDArray[np.int64]:
         """Block ids as int64; IndexError when one is outside the cache (numpy would

@@ -156,3 +156,38 @@ def test_copier_moves_runs_of_adjacent_blocks_exactly(storage: str) -> None:
                     torch.from_numpy(rows[start : start + page].copy()).view(torch.int8)
                 )
         assert all(torch.equal(kv[n], ref[n]) for n in kv)
+
+
+@pytest.mark.parametrize("storage", ["block_major", "layer_major", "separate"])
+def test_rows_apart_hold_the_blocks_and_leave_the_room_between_them(storage: str) -> None:
+    """Rows ``row_stride`` apart (a tier's header room between them): gather writes each
+    block where its row starts and not a byte of the room; scatter of a subset of rows
+    reads only those rows."""
+    num_blocks, layout = 24, layout_of((1056, 1056, 1056))
+    rng = random.Random(f"stride-{storage}")
+    kv = caches(storage, num_blocks, 3)
+    copier = BlockCopier(canonicalize(kv, layout))
+    group_id, names = 0, layout.groups[0].layer_names
+    block_bytes, stride = copier.block_bytes(group_id), copier.block_bytes(group_id) + 192
+    ids = [3, 4, 5, 11, 0, 17]
+    buf = np.full((len(ids) - 1) * stride + block_bytes, 0xA5, np.uint8)
+    copier.gather(group_id, ids, buf, row_stride=stride)
+    for i, b in enumerate(ids):
+        row = buf[i * stride : i * stride + block_bytes].tobytes()
+        assert row == b"".join(kv[n][b].numpy().tobytes() for n in names)
+        gap = buf[i * stride + block_bytes : (i + 1) * stride]
+        assert (gap == 0xA5).all()
+    new = np.frombuffer(rng.randbytes(buf.nbytes), np.uint8).copy()
+    before = {n: kv[n].clone() for n in kv}
+    copier.scatter(group_id, ids, new, only_rows=[1, 4], row_stride=stride)
+    for n in kv:
+        for b in range(num_blocks):
+            if b not in (ids[1], ids[4]):
+                assert torch.equal(kv[n][b], before[n][b])
+    for i in (1, 4):
+        got = b"".join(kv[n][ids[i]].numpy().tobytes() for n in names)
+        assert got == new[i * stride : i * stride + block_bytes].tobytes()
+    with pytest.raises(ValueError, match="row_stride"):
+        copier.gather(group_id, ids, buf, row_stride=block_bytes - 1)
+    with pytest.raises(ValueError, match="expected"):
+        copier.gather(group_id, ids, buf[:-1], row_stride=stride)
