@@ -58,9 +58,11 @@ NUM_PREFIXES, PREFIX_TOKENS, NUM_BATCHES = 15, 300, 3
 RECENT_TIERS = {
     # (cpu, disk, disk segment) bytes, so that about a third of the 15 prefixes fit:
     # a Qwen3-Next prefix is 625 KiB (4 MiB of disk is four 1 MiB segments), a Gemma 3
-    # one 147 KiB.
+    # one 288 KiB (nine 16 KiB blocks per group). The disk must also take a whole batch
+    # (5 prefixes) in one write-back: the segments of a batch being written cannot be
+    # evicted, so a smaller disk drops the batch's newest blocks.
     TinyModelKind.QWEN3_NEXT: ("1MiB", "4MiB", "1MiB"),
-    TinyModelKind.GEMMA3: ("256KiB", "768KiB", "128KiB"),
+    TinyModelKind.GEMMA3: ("512KiB", "2MiB", "256KiB"),
 }
 
 
