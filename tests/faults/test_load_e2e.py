@@ -1,7 +1,7 @@
 """Load cases on real vLLM: recent prefixes survive eviction; a soak through the server.
 
 * Eviction keeps what is recent: prefixes stored in batches into CPU and disk
-  tiers that hold about a third of them; the second turn of the most recent
+  tiers that hold under half of them; the second turn of the most recent
   third hits every stored block, on both model families, and its outputs
   equal the engine alone (in-process driver, ``tests.e2e``).
 * Soak: the real OpenAI server with tiers small enough to evict constantly,
@@ -63,11 +63,11 @@ TRANSFER_CONFIG = {
 
 NUM_PREFIXES, PREFIX_TOKENS, NUM_BATCHES = 15, 300, 3
 RECENT_TIERS = {
-    # (cpu, disk, disk segment) bytes, so that about a third of the 15 prefixes fit:
+    # (cpu, disk, disk segment) bytes, so that under half of the 15 prefixes fit (the disk about 7):
     # a Qwen3-Next prefix is 625 KiB (4 MiB of disk is four 1 MiB segments), a Gemma 3
-    # one 288 KiB (nine 16 KiB blocks per group). The disk must also take a whole batch
-    # (5 prefixes) in one write-back: the segments of a batch being written cannot be
-    # evicted, so a smaller disk drops the batch's newest blocks.
+    # one 288 KiB (nine 16 KiB blocks per group). The disk must also hold a whole
+    # write-back batch (64 blocks, 1 MiB for Gemma 3) with room to spare: the segments
+    # of a batch being written cannot be evicted, so a smaller disk drops its newest blocks.
     TinyModelKind.QWEN3_NEXT: ("1MiB", "4MiB", "1MiB"),
     TinyModelKind.GEMMA3: ("512KiB", "2MiB", "256KiB"),
 }
@@ -116,7 +116,7 @@ def test_eviction_keeps_the_most_recent_third(kind: TinyModelKind, tmp_path: Pat
     record(
         f"load: eviction keeps the most recent third ({kind.value})",
         done=f"{NUM_PREFIXES} prompts of {PREFIX_TOKENS} tokens in {NUM_BATCHES} batches into "
-        f"a {cpu} cpu and a {disk} disk tier (about a third fit); engine cache reset; the "
+        f"a {cpu} cpu and a {disk} disk tier (under half fit); engine cache reset; the "
         f"second turn of the last {per_batch}",
         seen=f"each of the {per_batch} hits {stored_tokens} tokens; outputs "
         f"{'identical to' if identical else 'within bfloat16 noise of'} the engine alone; "
