@@ -3,9 +3,9 @@
 Any process. ``CATALOG`` declares every metric once (name, type, labels,
 help); exporters (``hybridkv.integrations.vllm.metrics``) and the README's
 metrics table are built from it. ``scheduler_samples`` and ``worker_samples``
-read the monotonic totals of one side; exporters turn them into deltas.
-Names follow Prometheus conventions: base units, ``_total`` for counters
-(added by the exporter), labels for groups, kinds, tiers and outcomes.
+read the monotonic totals (and the gauges) of one side; exporters turn them
+into deltas. Names follow Prometheus conventions: base units, ``_total`` for
+counters (added by the exporter), labels for groups, kinds, tiers and outcomes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ PREFIX = "hybridkv_"
 
 class MetricType(enum.Enum):
     COUNTER = "counter"
+    GAUGE = "gauge"
     HISTOGRAM = "histogram"
 
 
@@ -87,6 +88,12 @@ CATALOG: tuple[Metric, ...] = (
     Metric("tier_errors", MetricType.COUNTER, "Calls that failed (answered as misses)", ("tier",)),
     Metric("tier_evictions", MetricType.COUNTER, "Objects or segments evicted", ("tier",)),
     Metric("tier_hit_tokens", MetricType.COUNTER, "Tokens of whole-request hits served", ("tier",)),
+    Metric(
+        "scheduler_state_entries",
+        MetricType.GAUGE,
+        "Per-request entries the scheduler side holds (all 0 once every request finished)",
+        ("entry",),
+    ),
 )
 METRICS = {m.name: m for m in CATALOG}
 
@@ -106,7 +113,7 @@ _TIER_FIELDS = {
 
 
 class Sample(NamedTuple):
-    """One labelled value of a counter (a monotonic total)."""
+    """One labelled value: a counter's monotonic total or a gauge's current value."""
 
     name: str
     labels: tuple[str, ...]
@@ -122,12 +129,15 @@ class Sample(NamedTuple):
         return f"{self.name}{{{pairs}}}"
 
 
-def scheduler_samples(stats: SchedulerStats) -> Iterator[Sample]:
+def scheduler_samples(stats: SchedulerStats, state_sizes: dict[str, int]) -> Iterator[Sample]:
+    """The counters, and ``state_sizes`` (``ConnectorScheduler.state_sizes()``) as gauges."""
     yield Sample("lookups", (), stats.lookups)
     yield Sample("lookup_tokens", (), stats.lookup_tokens)
     yield Sample("lookup_hits", (), stats.lookup_hits)
     yield Sample("hit_tokens", (), stats.hit_tokens)
     yield Sample("loads_unplanned", (), stats.loads_unplanned)
+    for entry, size in state_sizes.items():
+        yield Sample("scheduler_state_entries", (entry,), size)
 
 
 def worker_samples(

@@ -382,6 +382,16 @@ class ConnectorScheduler:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    def state_sizes(self) -> dict[str, int]:
+        """Entries of the per-request bookkeeping; all zero once every request finished
+        and the workers reported every store (a load test watches them for leaks)."""
+        return {
+            "requests": len(self._requests),
+            "planned_loads": len(self._loads),
+            "cancelled": len(self._cancelled),
+            "blocks_storing": self.stores.num_blocks_storing,
+        }
+
     # --- helpers ---------------------------------------------------------------
 
     def _state(self, req_id: str, cache_salt: str | None, lora_name: str | None) -> RequestState:

@@ -227,7 +227,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _samples(self) -> list[Sample]:
         samples: list[Sample] = []
         if self._scheduler is not None:
-            samples += scheduler_samples(self._scheduler.stats)
+            scheduler = self._scheduler
+            samples += scheduler_samples(scheduler.stats, scheduler.state_sizes())
         if self._worker is not None:
             worker = self._worker
             tiers = worker.store.stats_by_tier()

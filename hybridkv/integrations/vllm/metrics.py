@@ -1,9 +1,11 @@
 """The connector's metrics through vLLM 0.32's stats plumbing (logs and Prometheus).
 
-Each side (scheduler, every worker) turns its monotonic totals into
-per-step deltas (``CounterDeltas``) plus the load durations since its last
-report; vLLM merges them across ranks and steps (``HybridKVStats.aggregate``),
-logs ``reduce()`` every few seconds and hands the merged data to
+Each side (scheduler, every worker) turns its monotonic totals and its
+gauges into per-step deltas (``CounterDeltas``; a gauge's delta may be
+negative, and deltas add up across steps and ranks like a counter's) plus
+the load durations since its last report; vLLM merges them across ranks
+and steps (``HybridKVStats.aggregate``), logs ``reduce()`` every few
+seconds and hands the merged data to
 ``HybridKVPromMetrics.observe`` in the frontend process (the API server).
 Metric names, types and labels come from ``hybridkv.connector.metrics``.
 """
@@ -101,6 +103,7 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_previous()
         self._counters: dict[str, Any] = {}
+        self._gauges: dict[str, Any] = {}
         self._load_seconds: Any = None
         for metric in CATALOG:
             names = [*labelnames, *metric.labels]
@@ -110,6 +113,13 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                     documentation=metric.help,
                     labelnames=names,
                     buckets=list(LOAD_SECONDS_BUCKETS),
+                )
+            elif metric.type is MetricType.GAUGE:
+                self._gauges[metric.name] = self._gauge_cls(
+                    name=metric.exported_name,
+                    documentation=metric.help,
+                    labelnames=names,
+                    multiprocess_mode="sum",
                 )
             else:
                 # prometheus_client adds "_total" to a counter's name itself.
@@ -123,8 +133,11 @@ class HybridKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         engine_labels = self.per_engine_labelvalues.get(engine_idx, [])
         for name, labels, value in transfer_stats_data.get(COUNTERS, ()):
             counter = self._counters.get(name)
+            gauge = self._gauges.get(name)
             if counter is not None and value > 0:
                 counter.labels(*engine_labels, *labels).inc(value)
+            elif gauge is not None:
+                gauge.labels(*engine_labels, *labels).inc(value)
         if self._load_seconds is not None:
             histogram = self._load_seconds.labels(*engine_labels)
             for seconds in transfer_stats_data.get(LOAD_SECONDS, ()):

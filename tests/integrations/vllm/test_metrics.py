@@ -28,6 +28,10 @@ def test_deltas_report_only_what_changed() -> None:
     assert deltas.delta(first) == []
     later = [Sample("loads", ("ok",), 5), Sample("hit_tokens", (), 64)]
     assert deltas.delta(later) == [["loads", ["ok"], 3]]
+    gauge = [Sample("scheduler_state_entries", ("requests",), 4)]
+    assert deltas.delta(gauge) == [["scheduler_state_entries", ["requests"], 4]]
+    emptied = [Sample("scheduler_state_entries", ("requests",), 0)]
+    assert deltas.delta(emptied) == [["scheduler_state_entries", ["requests"], -4]]
 
 
 def test_stats_merge_across_ranks_and_steps() -> None:
@@ -83,6 +87,11 @@ def test_prometheus_names_labels_and_histogram() -> None:
     assert value("hybridkv_load_seconds_count", LABELS) == 2
     assert value("hybridkv_load_seconds_sum", LABELS) == pytest.approx(3.02)
     assert value("hybridkv_load_seconds_bucket", {**LABELS, "le": "0.025"}) == 1
+    metrics.observe({COUNTERS: [["scheduler_state_entries", ["requests"], 3]]})
+    metrics.observe({COUNTERS: [["scheduler_state_entries", ["requests"], -2]]})
+    assert value("hybridkv_scheduler_state_entries", {**LABELS, "entry": "requests"}) == 1
+    metrics.observe({COUNTERS: [["scheduler_state_entries", ["requests"], -1]]})
+    assert value("hybridkv_scheduler_state_entries", {**LABELS, "entry": "requests"}) == 0
     exported = {m.name for m in registry.collect()}
     assert {m.exported_name.removesuffix("_total") for m in CATALOG} <= exported
 
