@@ -178,22 +178,8 @@ def matrix(harness: Harness, mooncake: LocalPool, valkey: LocalPool) -> PoolMatr
     return _matrix["run"]
 
 
-KNOWN_BROKEN = {
-    "daemon killed": "after the daemon restarts (its memory listed again) every store of the "
-    "next run fails (tier_errors), the run after stores only part: hits come back two runs late",
-    "daemon hung": "after SIGCONT part of the next run's stores fail (tier_errors) when the stop "
-    "was short (3 s; 12 s passed): hits come back a run late",
-}
-FLAKY = {"daemon hung"}
 CASES = [
-    pytest.param(
-        label,
-        case,
-        id=case,
-        marks=[pytest.mark.xfail(strict=case not in FLAKY, reason=KNOWN_BROKEN[case])]
-        if case in KNOWN_BROKEN
-        else [],
-    )
+    pytest.param(label, case, id=case)
     for label, cases in (("V", VALKEY_CASES), ("M", MOONCAKE_CASES))
     for case in cases
 ]

@@ -4,7 +4,8 @@ Runs wherever a ``MooncakeTier`` runs. Each call runs in a helper thread and
 is abandoned after ``op_timeout_s`` (calls to a killed master take ~4.3 s
 each, to a hung one 30 s). A timeout or an unreachable master marks the
 client unhealthy (``HealthGate``): callers get "not now" at once, without
-calling Mooncake, until a background probe reaches the master again.
+calling Mooncake, until a background probe (run whether or not calls come)
+reaches the master again.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class MooncakeClient:
 
     @property
     def healthy(self) -> bool:
-        """As last seen; probes run only when calls come (an idle client never polls)."""
+        """As last seen; only an unhealthy client probes (in the background)."""
         return self.ready and self.gate.healthy
 
     def allow(self) -> bool:

@@ -114,7 +114,7 @@ class MooncakeTier(Tier):
 
     @property
     def healthy(self) -> bool:
-        """As last seen; probes run only when calls come (an idle tier never polls)."""
+        """As last seen; only an unhealthy tier probes (in the background)."""
         return self._client.healthy
 
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:

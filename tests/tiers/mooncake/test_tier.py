@@ -193,10 +193,33 @@ def test_health_gate_probes_in_the_background_until_one_succeeds(
     assert [r.getMessage().count("unreachable") for r in caplog.records] == [1]
     failed_at = time.monotonic()
     assert not gate.allow() and not probes, "probed before the retry interval"
-    wait_for(lambda: not gate.allow() and len(probes) == 1, timeout_s=5, interval_s=0.01)
-    assert probes[0] - failed_at >= 0.19
-    wait_for(lambda: gate.allow(), timeout_s=5, interval_s=0.01)
-    assert len(probes) == 2 and probes[1] - probes[0] >= 0.19 and gate.num_outages == 1
+    # No calls from here on: an idle gate probes by itself until the server answers.
+    wait_for(lambda: len(probes) == 1, timeout_s=5, interval_s=0.01)
+    assert probes[0] - failed_at >= 0.19 and not gate.healthy
+    wait_for(lambda: gate.healthy, timeout_s=5, interval_s=0.01)
+    assert gate.allow() and gate.num_outages == 1
+    assert len(probes) == 2 and probes[1] - probes[0] >= 0.19
+    time.sleep(0.5)
+    assert len(probes) == 2, "probed while healthy"
+    gate.mark_failed("again")
+    gate.close()
+    time.sleep(0.5)
+    assert len(probes) == 2 and not gate.allow(), "probed after close"
+
+
+def test_health_gate_call_after_the_recovery_probes_at_once_and_goes_through() -> None:
+    probes: list[float] = []
+
+    def probe() -> bool:
+        probes.append(time.monotonic())
+        return True
+
+    gate = HealthGate("t", probe, retry_interval_s=30.0)
+    gate.mark_failed("down")
+    assert not gate.allow() and not probes, "a call right after the failure probed"
+    time.sleep(0.2)  # past the gap between probes that calls may ask for
+    assert gate.allow() and len(probes) == 1, "the call neither probed nor went through"
+    gate.close()
 
 
 # -- data path --------------------------------------------------------------------------
@@ -426,7 +449,7 @@ def test_killed_daemon_costs_hits_not_time_and_recovers() -> None:
         errors = statuses.count(GetStatus.ERROR)
         assert tier.stats().errors >= errors_before + errors
         # The master forgets the dead daemon's objects after its client TTL (2 s here).
-        # A slow load above may have closed the gate; calls schedule the probe that reopens it.
+        # A slow load above may have closed the gate; a background probe reopens it.
 
         def forgotten() -> bool:
             tier.contains_many(keys)
@@ -439,6 +462,26 @@ def test_killed_daemon_costs_hits_not_time_and_recovers() -> None:
         wait_for(lambda: tier.put_many([fresh], buffers[:1]) == [PutStatus.OK], timeout_s=20)
         assert tier.get_many_into([fresh], outs[:1]) == [GetStatus.OK]
         assert np.array_equal(outs[0], buffers[0])
+        tier.check_integrity()
+
+
+def test_tier_idle_after_a_daemon_outage_stores_at_once_when_it_is_back() -> None:
+    """An engine idle between a daemon's outage and its return stores its very next
+    batch: the gate the outage closed reopened without waiting for a call."""
+    with MooncakePool(segment_bytes=64 * MIB) as fault_pool, make_tier(fault_pool) as tier:
+        buffers = payloads([64 << 10] * 8, seed=7)
+        assert tier.put_many(new_keys(8), buffers) == [PutStatus.OK] * 8
+        fault_pool.pause(ServerRole.DAEMON)  # a stopped daemon never answers: a timeout
+        assert set(tier.put_many(new_keys(8), buffers)) == {PutStatus.ERROR}
+        assert not tier.healthy
+        fault_pool.resume(ServerRole.DAEMON)
+        wait_for(lambda: fault_pool.status()["pool"]["total_capacity_bytes"], timeout_s=30)
+        wait_for(lambda: tier.healthy, timeout_s=10)  # no calls meanwhile
+        keys = new_keys(8)
+        assert tier.put_many(keys, buffers) == [PutStatus.OK] * 8
+        outs = [np.zeros(64 << 10, dtype=np.uint8) for _ in keys]
+        assert tier.get_many_into(keys, outs) == [GetStatus.OK] * 8
+        assert all(np.array_equal(o, b) for o, b in zip(outs, buffers, strict=True))
         tier.check_integrity()
 
 
