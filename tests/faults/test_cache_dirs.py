@@ -192,3 +192,24 @@ def test_a_link_in_place_of_the_lock_or_quarantine_is_refused(tmp_path: Path, na
         done=f"replace {name} by a link out of the directory, then open the tier",
         seen="refused at start naming the link; its target untouched",
     )
+
+
+def test_a_link_in_place_of_a_rank_directory_is_refused(tmp_path: Path) -> None:
+    """With tensor parallel > 1 each rank uses ``tp<rank>of<size>`` inside the configured
+    directory; a link planted there would lead the rank's tier out of it."""
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    config = DiskConfig(path=root, capacity_bytes=16 << 20)  # type: ignore[arg-type]
+    DiskTier(config.for_rank(0, 2)).close()
+    outside.mkdir(mode=0o700)
+    planted = root / "tp1of2"
+    planted.symlink_to(outside)
+    with pytest.raises(UnsafeCacheDir) as caught:
+        DiskTier(config.for_rank(1, 2))
+    assert str(planted) in str(caught.value) and "symbolic link" in str(caught.value)
+    assert list(outside.iterdir()) == []
+    DiskTier(config.for_rank(0, 2)).close()  # the rank whose directory is real still opens
+    record(
+        "disk: symlink in place of a rank directory",
+        done="replace tp1of2 (tensor-parallel rank 1's directory) by a link out, open rank 1",
+        seen="refused at start naming the link; nothing written through it; rank 0 opens",
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Annotated, ClassVar, Literal, Self
 
 from pydantic import Field, StrictBool, StrictInt
@@ -108,3 +109,8 @@ class DiskConfig(TierConfigBase):
         if tp_size == 1:
             return self
         return dataclasses.replace(self, path=self.path / f"tp{tp_rank}of{tp_size}")
+
+
+RANK_DIR = re.compile(r"tp\d+of\d+")
+"""Names of the per-rank directories ``for_rank`` makes inside the configured one: ours,
+so a symbolic link in place of one leads out of the tier's directory and is refused."""

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from hybridkv.tiers.base import Buffer, StoreKey, TierStats
 from hybridkv.tiers.disk import segments
-from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
+from hybridkv.tiers.disk.config import RANK_DIR, DiskConfig, FsyncPolicy
 from hybridkv.tiers.disk.files import (
     MAX_QUARANTINE_COPY,
     TEMP_PREFIX,
@@ -83,7 +83,7 @@ class SegmentDirectory:
         self.last_refresh = 0.0
         self.last_sweep = time.monotonic()
         self.last_mtime_ns = 0
-        make_private_dir(self.root)
+        make_private_dir(self.root, symlink_ok=not RANK_DIR.fullmatch(self.root.name))
         self.lock_fd = (
             None if self.read_only else take_writer_lock(self.root / LOCK_NAME, tier_name=name)
         )
