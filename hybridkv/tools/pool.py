@@ -27,6 +27,7 @@ from hybridkv.tools.servers import (
     connect_host,
     default_run_dir,
     free_port,
+    is_loopback,
     mooncake_binary,
     read_metrics,
     valkey_binary,
@@ -137,6 +138,9 @@ class LocalPool:
             )
         if valkey_shards < 1:
             problems.append(f"valkey_shards={valkey_shards}: must be >= 1 (1: no cluster)")
+        if valkey and not valkey_password and not is_loopback(host):
+            problems.append(f"valkey on {host} needs valkey_password: without one, valkey-server's "
+                            "protected mode refuses every client not on loopback")  # fmt: skip
         if problems:
             raise ValueError("; ".join(problems))
         with contextlib.suppress(FileNotFoundError):

@@ -77,6 +77,10 @@ def server_env(bind_host: str = HOST) -> dict[str, str]:
     return {**os.environ, "MC_TCP_BIND_ADDRESS": bind_host}
 
 
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def connect_host(bind_host: str) -> str:
     """Where a client on this machine reaches a server bound to ``bind_host``."""
     return HOST if bind_host in ("0.0.0.0", "::", "") else bind_host

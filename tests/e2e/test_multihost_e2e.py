@@ -1,12 +1,13 @@
-"""Engines on separate hosts sharing a Mooncake pool on a third one.
+"""Engines on separate hosts sharing a pool (Mooncake, or Valkey) on a third one.
 
 Three network namespaces joined by a bridge (addresses only inside them, in
-``SUBNET``): the pool (master + storage daemon) in "pool", engine A in "a",
-engine B in "b", each process with ``MC_TCP_BIND_ADDRESS`` and the tier's
-``local_hostname`` set to its own host's address. A (a CPU tier in front of the
-pool) stores its prompts; B, a separate process with an empty CPU tier, loads
-every hit from the pool across the bridge and gives the greedy tokens of the
-engine alone. Its hit rate and load latency go to the fault report's figures.
+``SUBNET``): the pool (Mooncake master + storage daemon, and a valkey-server)
+in "pool", engine A in "a", engine B in "b", each process with
+``MC_TCP_BIND_ADDRESS`` and the Mooncake tier's ``local_hostname`` set to its
+own host's address. A (a CPU tier in front of the pool tier) stores its
+prompts; B, a separate process with an empty CPU tier, loads every hit from
+the pool across the bridge and gives the greedy tokens of the engine alone.
+Its hit rate and load latency go to the fault report's figures.
 """
 
 from __future__ import annotations
@@ -48,7 +49,14 @@ CPU_TIER = {"kind": "cpu", "capacity_bytes": 64 * MIB}
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Network, LocalPool]]:
     with Network.create(["pool", "a", "b"], subnet=SUBNET) as network:
         run_dir = tmp_path_factory.mktemp("multihost-pool")
-        pool = network.start_pool("pool", run_dir, segment_bytes=128 * MIB, client_ttl_s=2)
+        pool = network.start_pool(
+            "pool",
+            run_dir,
+            segment_bytes=128 * MIB,
+            client_ttl_s=2,
+            valkey=True,
+            valkey_password="multihost-test",  # off loopback, Valkey serves only with one
+        )
         try:
             yield network, pool
         finally:
@@ -73,30 +81,37 @@ def load_figures(step: dict[str, Any]) -> tuple[float, float]:
     return hit_rate, summed(stats, "load_seconds_sum") / count if count else 0.0
 
 
+def pool_tier(network: Network, pool: LocalPool, host: str, kind: str) -> dict[str, Any]:
+    """The pool's tier entry of ``kind`` for an engine on ``host``."""
+    return next(t for t in network.tier_configs(pool, host) if t["kind"] == kind)
+
+
+@pytest.mark.parametrize("kind", ["mooncake", "valkey"])
 def test_engine_b_loads_what_engine_a_stored_across_hosts(
-    harness: Harness, hosts: tuple[Network, LocalPool]
+    harness: Harness, hosts: tuple[Network, LocalPool], kind: str
 ) -> None:
     network, pool = hosts
     model = harness.model(KIND)
-    prompts = base_prompts(model.vocab_size)
-    tiers_a = [CPU_TIER, *network.tier_configs(pool, "a")]
+    prompts = base_prompts(model.vocab_size)  # engines of one kind reach only that server
+    tiers_a = [CPU_TIER, pool_tier(network, pool, "a", kind)]
     plan_a = [
         engine("ref", model, [generate("cold", prompts)]),
         engine("A", model, [generate("cold", prompts)], {"tiers": tiers_a}),
     ]
-    run_a = run_on(harness, network, "a", "multihost-a", plan_a)
+    run_a = run_on(harness, network, "a", f"multihost-{kind}-a", plan_a)
     reference = run_a.step("ref", "cold")
     assert_same_outputs(run_a.step("A", "cold"), reference, model, "engine A")
     settled = run_a.op("integrity", engine="A")
     assert settled["integrity"] == "ok" and settled["flushed"], settled
-    written = settled["counters"]["tier_writes{tier=mooncake}"]
+    written = settled["counters"][f"tier_writes{{tier={kind}}}"]
     assert written > 0, settled
-    with network.entered("pool"):
-        assert pool.status()["pool"]["key_count"] >= written, pool.status()
+    if kind == "mooncake":
+        with network.entered("pool"):
+            assert pool.status()["pool"]["key_count"] >= written, pool.status()
 
-    tiers_b = [CPU_TIER, *network.tier_configs(pool, "b")]
+    tiers_b = [CPU_TIER, pool_tier(network, pool, "b", kind)]
     plan_b = [engine("B", model, [generate("shared", prompts)], {"tiers": tiers_b})]
-    run_b = run_on(harness, network, "b", "multihost-b", plan_b)
+    run_b = run_on(harness, network, "b", f"multihost-{kind}-b", plan_b)
     step = run_b.step("B", "shared")
     where = describe(step)
     assert_same_outputs(step, reference, model, "engine B, loading from the pool host")
@@ -108,19 +123,19 @@ def test_engine_b_loads_what_engine_a_stored_across_hosts(
     assert counter(stats, "loads", outcome="ok") == len(expected), where
     assert counter(stats, "loads", outcome="failed") == 0, where
     assert counter(stats, "tier_reads", tier="cpu") == 0, where  # B's CPU tier started empty
-    assert counter(stats, "tier_reads", tier="mooncake") == summed(stats, "loaded_blocks") > 0
+    assert counter(stats, "tier_reads", tier=kind) == summed(stats, "loaded_blocks") > 0
     assert run_b.op("integrity", engine="B")["integrity"] == "ok"
     hit_rate, load_s = load_figures(step)
     assert 0 < hit_rate < 1 and load_s > 0, (hit_rate, load_s)
     record(
-        "multi-host: engine B loads what engine A stored",
-        done="pool, engine A and engine B in three network namespaces joined by a bridge",
+        f"multi-host ({kind}): engine B loads what engine A stored",
+        done=f"{kind} pool, engine A and engine B in three network namespaces joined by a bridge",
         seen=f"B hit {hit_rate:.0%} of its prompt tokens across hosts, "
         f"{load_s * 1000:.1f} ms per load",
         counters={
             "hit_tokens": counter(stats, "hit_tokens"),
             "loads_ok": counter(stats, "loads", outcome="ok"),
-            "mooncake_read_bytes": counter(stats, "tier_read_bytes", tier="mooncake"),
+            "pool_read_bytes": counter(stats, "tier_read_bytes", tier=kind),
         },
         outputs_identical=True,
     )
