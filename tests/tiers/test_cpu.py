@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
-from hybridkv.tiers.memory import ALIGN_BYTES, ExtentAllocator
+from hybridkv.tiers.memory import ALIGN_BYTES, PAGE_BYTES, ExtentAllocator, allocate_arena
 
 
 def key(i: int | str) -> StoreKey:
@@ -220,6 +220,15 @@ def test_puts_do_not_allocate_memory() -> None:
         tracemalloc.stop()
     assert peak < 256 << 10, f"{peak} bytes allocated while copying {64 * 3} objects of 256 KiB"
     tier.check_integrity()
+
+
+@pytest.mark.parametrize("num_bytes", [1, 4095, 4096, 1 << 20, (1 << 20) + 17])
+def test_arena_starts_on_a_page_and_is_zeroed(num_bytes: int) -> None:
+    for _ in range(4):  # numpy alone gives 16-byte alignment: several tries catch that
+        arena, _ = allocate_arena(num_bytes, pin_memory=False)
+        assert arena.ctypes.data % PAGE_BYTES == 0
+        assert len(arena) == num_bytes and arena.dtype == np.uint8
+        assert arena.flags.c_contiguous and not arena.any()
 
 
 def test_arena_is_pinned_exactly_when_cuda_is_available() -> None:
