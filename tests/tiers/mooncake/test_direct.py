@@ -194,6 +194,26 @@ def test_buffers_outside_registered_staging_take_the_copy_path(pool: LocalPool) 
         assert tier._staged.framed([inside, np.zeros(1000, np.uint8)]) is None
 
 
+def test_framing_finds_each_buffer_in_its_own_registered_staging(pool: LocalPool) -> None:
+    """Buffers of one batch may lie in different registered stagings, in any order; each
+    is framed as a slice of its own, with that slice's address, and one that runs past
+    the end of its staging is not framed at all."""
+    with make_tier(pool) as tier:
+        first, second = np.zeros(MIB, np.uint8), np.zeros(MIB, np.uint8)
+        assert tier.register_staging(first) >= HEADER_BYTES
+        assert tier.register_staging(second) >= HEADER_BYTES
+        buffers = [second[4096:8192], first[64:1000], second[-500:], first[-1000:]]
+        framed = tier._staged.framed(buffers)
+        assert framed is not None
+        for buffer, view, address in zip(buffers, framed.views, framed.addresses, strict=True):
+            assert address == int(buffer.ctypes.data) - HEADER_BYTES == int(view.ctypes.data)
+            assert len(view) == HEADER_BYTES + len(buffer)
+            assert view.base is first or view.base is second
+            assert np.shares_memory(view[HEADER_BYTES:], buffer)
+        past_end = np.lib.stride_tricks.as_strided(second[-500:], shape=(501,))
+        assert tier._staged.framed([buffers[0], past_end]) is None
+
+
 @given(st.lists(st.integers(1, 5000), max_size=40), st.integers(1, 20_000))
 def test_split_keeps_every_index_once_in_order(sizes: list[int], chunk_bytes: int) -> None:
     framed = [np.empty(size, np.uint8) for size in sizes]
