@@ -26,9 +26,32 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from llvmlite import ir
+from llvmlite.binding import ffi
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+
+class _LibWithDict:
+    """llvmlite's ``binding.ffi.lib`` behind an object with a real ``__dict__``.
+
+    vLLM (0.32) rebinds its Triton kernels at every engine start by scanning the
+    attributes of every imported module and reading ``vars(value)`` of each.
+    llvmlite's ``lib`` answers any attribute, ``__dict__`` included, with a C
+    function wrapper, so once numba has compiled in a process the next engine
+    started in it fails (``'_lib_fn_wrapper' object has no attribute 'get'``).
+    Every other attribute passes through to the library.
+    """
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lib, name)
+
+
+if not isinstance(ffi.lib, _LibWithDict):
+    ffi.lib = _LibWithDict(ffi.lib)
 
 LINE_BYTES = 128
 """Bytes per inlined vector move (four 32-byte AVX2 registers)."""

@@ -191,3 +191,19 @@ def test_rows_apart_hold_the_blocks_and_leave_the_room_between_them(storage: str
         copier.gather(group_id, ids, buf, row_stride=block_bytes - 1)
     with pytest.raises(ValueError, match="expected"):
         copier.gather(group_id, ids, buf[:-1], row_stride=stride)
+
+
+def test_an_engine_can_start_after_the_native_copy_compiled() -> None:
+    """vLLM's kernel rebinding (run at every engine start) scans every module's attributes
+    with ``vars``; after the copier compiled, that scan must still pass (a second engine in
+    one process, as the tests' drivers and restarts run them)."""
+    from vllm.triton_utils import dispatcher
+
+    from hybridkv.transfer import runs
+
+    runs.warm_up()
+    dispatcher._rebind_kernels([])  # raised AttributeError on llvmlite's lib before
+    buffer = np.arange(300, dtype=np.uint8)
+    address = buffer.ctypes.data
+    assert runs.copy_runs(np.array([[address + 200], [address], [100]], np.int64)) == 1
+    assert (buffer[200:] == np.arange(100, dtype=np.uint8)).all()  # the copy still runs
