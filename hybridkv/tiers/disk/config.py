@@ -70,7 +70,13 @@ class DiskConfig(TierConfigBase):
         Number, Field(gt=0, allow_inf_nan=False, description="relative cost of loading from it")
     ] = 4.0
     num_io_threads: Annotated[
-        StrictInt, Field(ge=1, description="parts of one batch moved in parallel")
+        StrictInt,
+        Field(
+            ge=1,
+            description=(
+                "parts of one batch moved in parallel (at most one per CPU the process may run on)"
+            ),
+        ),
     ] = 4
     segment_bytes: Annotated[
         ByteSize | None,

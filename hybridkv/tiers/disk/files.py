@@ -36,7 +36,15 @@ def io_all(
     offset: int,
 ) -> bool:
     """Run ``os.preadv``/``os.pwritev`` at ``offset`` until ``parts`` are done; False on EOF."""
-    total, done = sum(map(len, parts)), 0
+    total = sum(map(len, parts))
+    if len(parts) <= IOV_MAX:  # nearly always one call does it all
+        done = io(fd, list(parts), offset)
+        if done == total:
+            return True
+        if done == 0 and total:
+            return False
+    else:
+        done = 0
     while done < total:
         skip, views = done, []
         for part in parts:

@@ -2,7 +2,8 @@
 
 Runs wherever a disk tier serves gets (the writer, and read-only followers).
 A run of objects in consecutive slots costs one ``pread`` for the slots and
-one ``preadv`` per stretch of payloads that follow one another on disk.
+one ``preadv`` per stretch of payloads that follow one another on disk
+(up to ``STRETCH_BYTES``), each verified right after its read.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from hybridkv.tiers.disk.segments import (
     read_segment_header,
     slot_offset,
 )
+
+STRETCH_BYTES = 1 << 20
+"""Payload bytes read by one ``preadv`` at most: each stretch is verified right
+after its read, while it is still in the CPU's cache (checking a whole batch
+after reading it all reads every byte from memory twice)."""
 
 
 class Wanted(NamedTuple):
@@ -58,14 +64,14 @@ def read_run(
         outcomes.append(None if isinstance(slot, Slot) else slot)
         checksums.append(slot.checksum if isinstance(slot, Slot) else 0)
     todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
-    for stretch in _stretches(run, todo):
+    for stretch in stretches(run, todo):
         if not io_all(os.preadv, fd, _with_gaps([run[i] for i in stretch]), run[stretch[0]].offset):
             for i in stretch:  # which object the file ends in: one at a time
                 if not io_all(os.preadv, fd, [run[i].out.data], run[i].offset):
                     outcomes[i] = HeaderError.TRUNCATED
-    for i in todo:
-        if outcomes[i] is None and codec.checksum(run[i].out) != checksums[i]:
-            outcomes[i] = HeaderError.BAD_CHECKSUM
+        for i in stretch:  # while the bytes are still in cache
+            if outcomes[i] is None and codec.checksum(run[i].out) != checksums[i]:
+                outcomes[i] = HeaderError.BAD_CHECKSUM
     return outcomes
 
 
@@ -93,16 +99,23 @@ def _checked_slot(
     return slot
 
 
-def _stretches(run: Sequence[Wanted], picked: list[int]) -> list[list[int]]:
+def stretches(run: Sequence[Wanted], picked: list[int]) -> list[list[int]]:
     """``picked`` objects of the run grouped where each starts at the page after the
-    previous one ends."""
+    previous one ends, a stretch closed once it holds ``STRETCH_BYTES``."""
     grouped: list[list[int]] = []
+    num_bytes = 0
     for i in picked:
         last = run[grouped[-1][-1]] if grouped else None
-        if last is not None and run[i].offset == align_up(last.offset + len(last.out)):
+        if (
+            last is not None
+            and num_bytes < STRETCH_BYTES
+            and run[i].offset == align_up(last.offset + len(last.out))
+        ):
             grouped[-1].append(i)
         else:
             grouped.append([i])
+            num_bytes = 0
+        num_bytes += len(run[i].out)
     return grouped
 
 

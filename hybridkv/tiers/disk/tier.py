@@ -84,7 +84,8 @@ class DiskTier(Tier):
         self.read_only = config.read_only
         self.root = config.path
         self.geometry = Geometry.standard(config.segment_size)
-        self._num_io_threads = config.num_io_threads
+        # More parts than CPUs to run them on only adds hand-offs between threads.
+        self._num_io_threads = min(config.num_io_threads, len(os.sched_getaffinity(0)))
         self._table = SegmentTable(str(self.root), config.capacity_bytes, self.geometry)
         self._stats = TierStats()
         self._lock = threading.Lock()
@@ -101,8 +102,8 @@ class DiskTier(Tier):
             self._dir.close_files()
             raise
         self._pool = (
-            ThreadPoolExecutor(config.num_io_threads, thread_name_prefix=f"hybridkv-{name}")
-            if config.num_io_threads > 1
+            ThreadPoolExecutor(self._num_io_threads, thread_name_prefix=f"hybridkv-{name}")
+            if self._num_io_threads > 1
             else None
         )
 
