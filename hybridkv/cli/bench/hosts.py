@@ -22,11 +22,10 @@ from hybridkv.cli.bench import counters, say
 from hybridkv.cli.bench.models import build_model, engine_kwargs_for
 from hybridkv.cli.bench.offline import EngineFailed, EngineSpec, OfflineEngine
 from hybridkv.cli.bench.progress import Bars
-from hybridkv.cli.bench.replay import Record
 from hybridkv.cli.bench.report import Phase, compare_outputs, mark_reusable, summarize, summary_rows
-from hybridkv.cli.bench.run import BenchContext, run_setup
+from hybridkv.cli.bench.run import BenchContext, replay_across, run_setup
 from hybridkv.cli.bench.setups import CPU_TIER_BYTES, POOL_BYTES, Setup, transfer_config
-from hybridkv.cli.bench.workloads import PRESETS, Client, WorkloadKind, build_workload
+from hybridkv.cli.bench.workloads import PRESETS, WorkloadKind, build_workload
 from hybridkv.cli.tables import format_bytes, format_table
 from hybridkv.paths import default_cache_dir
 from hybridkv.tools.netns import Network, unavailable_reason
@@ -88,33 +87,8 @@ def _replay_across(ctx: BenchContext, network: Network, pool: LocalPool) -> tupl
     """Every request, in order, to the engine on the host it names; a phase per host."""
     engines = [_start(ctx, network, pool, host) for host in ENGINE_HOSTS]
     try:
-        (client,) = ctx.workload.clients
-        before = [engine.counters() for engine in engines]
-        records: list[list[Record]] = [[] for _ in engines]
-        walls = [0.0 for _ in engines]
-        on_done = ctx.progress.replaying("hosts a/b", len(client.requests))
-        for position, request in enumerate(client.requests):
-            e = request.engine
-            begin = time.perf_counter()
-            single = [(position, Client(requests=(request,)))]
-            # Phase names as the engine alone's, so outputs are compared request by request.
-            records[e] += engines[e].replay(single, f"engine{e}", on_done)
-            walls[e] += time.perf_counter() - begin
-        ctx.progress.replayed("hosts a/b")
-        phases = []
-        for e, engine in enumerate(engines):
-            for record in records[e]:
-                record.setup = SETUP
-            phases.append(
-                Phase(
-                    setup=SETUP,
-                    name=f"engine{e}@{ENGINE_HOSTS[e]}",
-                    records=records[e],
-                    counters=counters.delta(before[e], engine.counters()),
-                    wall_s=walls[e],
-                    engine=e,
-                )
-            )
+        names = [f"engine{e}@{host}" for e, host in enumerate(ENGINE_HOSTS)]
+        phases = replay_across(engines, ctx, SETUP, names, "hosts a/b")
         return phases, int(engines[0].facts.get("alignment_tokens") or 1)
     finally:
         for engine in engines:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -183,32 +183,47 @@ class _SetupRunner:
     def shared(self) -> None:
         engines = [self.start(), self.start()]
         try:
-            (client,) = self.ctx.workload.clients
-            before = [engine.counters() for engine in engines]
-            records: list[list[Record]] = [[], []]
-            walls = [0.0, 0.0]
+            names = [f"engine{e}" for e in range(len(engines))]
             label = f"{self.setup.value} engine0/engine1"
-            on_done = self.ctx.progress.replaying(label, len(client.requests))
-            for position, request in enumerate(client.requests):
-                e = request.engine
-                begin = time.perf_counter()
-                single = [(position, Client(requests=(request,)))]
-                records[e] += engines[e].replay(single, f"engine{e}", on_done)
-                walls[e] += time.perf_counter() - begin
-            self.ctx.progress.replayed(label)
-            for e, engine in enumerate(engines):
-                for record in records[e]:
-                    record.setup = self.setup.value
-                self.result.phases.append(
-                    Phase(
-                        setup=self.setup.value,
-                        name=f"engine{e}",
-                        records=records[e],
-                        counters=counters.delta(before[e], engine.counters()),
-                        wall_s=walls[e],
-                        engine=e,
-                    )
-                )
+            phases = replay_across(engines, self.ctx, self.setup.value, names, label)
+            self.result.phases += phases
         finally:
             for engine in engines:
                 engine.close()
+
+
+def replay_across(
+    engines: Sequence[Engine], ctx: BenchContext, setup: str, names: list[str], label: str
+) -> list[Phase]:
+    """Every request of the workload's one client, in order, to the engine it names
+    (``request.engine``); a phase per engine, called ``names[e]``. Records keep the
+    phase name ``engine<e>``, so outputs compare request by request with the engine
+    alone's."""
+    (client,) = ctx.workload.clients
+    before = [engine.counters() for engine in engines]
+    records: list[list[Record]] = [[] for _ in engines]
+    walls = [0.0 for _ in engines]
+    on_done = ctx.progress.replaying(label, len(client.requests))
+    for position, request in enumerate(client.requests):
+        e = request.engine
+        begin = time.perf_counter()
+        single = [(position, Client(requests=(request,)))]
+        records[e] += engines[e].replay(single, f"engine{e}", on_done)
+        walls[e] += time.perf_counter() - begin
+    ctx.progress.replayed(label)
+    phases = []
+    for e, engine in enumerate(engines):
+        for record in records[e]:
+            record.setup = setup
+        delta = counters.delta(before[e], engine.counters())
+        phases.append(
+            Phase(
+                setup=setup,
+                name=names[e],
+                records=records[e],
+                counters=delta,
+                wall_s=walls[e],
+                engine=e,
+            )
+        )
+    return phases
