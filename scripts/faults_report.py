@@ -24,8 +24,13 @@ the recovery to the first hit again; "-" where a column does not apply.
 """
 
 
+CELL_CHARS = 400
+"""Longer cells (an action's full list of damaged objects, say) are cut here."""
+
+
 def cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    shown = str(text).replace("|", "\\|").replace("\n", " ")
+    return shown if len(shown) <= CELL_CHARS else shown[: CELL_CHARS - 1] + "…"
 
 
 def load_rows(path: Path) -> list[dict[str, object]]:
