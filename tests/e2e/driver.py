@@ -125,6 +125,9 @@ def run_step(llm: Any, step: dict[str, Any], done: dict[str, dict[str, Any]]) ->
         return {**settled, "integrity": engine_tools.check_connector_integrity(llm)}
     if op == "valkey_command":
         return {"reply": valkey_command(step["port"], step["args"])}
+    if op == "sleep":  # wall time passing between steps (a link's TCP retries, say)
+        time.sleep(step["seconds"])
+        return {"slept_s": step["seconds"]}
     if op == "zero_group":
         return {"num_blocks_zeroed": engine_tools.zero_cached_blocks(llm, step["group_id"])}
     if op == "await":

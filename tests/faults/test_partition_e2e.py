@@ -41,6 +41,7 @@ SUBNET = "10.213.61.0/24"
 LOAD_TIMEOUT_S = 4.0
 MOONCAKE_TUNING = {"op_timeout_s": 1.0, "retry_interval_s": 0.5}
 AFTER_LABELS = tuple(f"after{i}" for i in range(1, 7))
+AFTER_PAUSE_S = 2.0
 """Steps once the link is up again: the hits must come back within them."""
 
 
@@ -112,8 +113,10 @@ def _partition_run(
     gap = [generate("gap", gap_prompts)]
     steps = [generate("store", prompts), RESET, generate("before", prompts), *gap, RESET]
     steps += [generate("during", prompts)]
+    # Time, not only steps, after the mend: quick steps (0.1 s on a quiet machine) would
+    # all fall inside TCP's first retransmission back-off and Mooncake's reconnect.
     for label in AFTER_LABELS:
-        steps += [RESET, generate(label, prompts)]
+        steps += [RESET, {"op": "sleep", "seconds": AFTER_PAUSE_S}, generate(label, prompts)]
     plan = [
         engine("ref", model, [generate("cold", prompts), RESET, *gap]),
         engine("C", model, steps, connector),
