@@ -24,10 +24,12 @@ from tests.e2e.compare import output_problems
 from tests.e2e.expect import counter, engine_facts, full_hit_tokens, summed
 from tests.e2e.harness import Harness, PlanRun
 from tests.e2e.scenarios import RESET, generate
+from tests.faults.report import record
 
 Action = Callable[[int], dict[str, Any]]
 """A fault or recovery, given the engine process's pid; returns what it did."""
 
+STALL_HOW = "stall: the fault run's wall time minus the same prompts' run after recovery"
 STALL_SLACK_S = 5.0
 """Scheduling noise a step may add on a busy 2-core machine."""
 
@@ -133,6 +135,18 @@ class CaseFigures:
 
     def within_load_timeout(self, load_timeout_s: float) -> bool:
         return self.fault_step_s <= load_timeout_s + self.restore_step_s + STALL_SLACK_S
+
+    def record(self, case: str, *, done: str, seen: str) -> None:
+        """The case's row in the fault report, with these figures and counters."""
+        record(
+            case,
+            done=done,
+            seen=f"{seen}; {STALL_HOW}",
+            counters={k: int(v) for k, v in self.counted.items()},
+            outputs_identical=self.outputs_identical,
+            max_stall_s=self.stall_s,
+            hits_resumed_s=self.hits_resumed_s,
+        )
 
 
 def judge(

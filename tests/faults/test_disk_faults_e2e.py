@@ -43,7 +43,6 @@ LOAD_TIMEOUT_S = 10.0
 TMPFS_BYTES = 24 * MIB
 CAPACITY_BYTES = 16 * MIB
 SEGMENT_BYTES = 1 * MIB
-STALL_HOW = "stall: the fault run's wall time minus the same prompts' run after recovery"
 
 
 def fresh_prompts(vocab_size: int, seed: int) -> list[list[int]]:
@@ -273,14 +272,10 @@ def test_disk_fault_under_a_running_engine(case: str, matrix: DiskMatrix) -> Non
     figures = judge(run, "D", case, matrix.reference(case), matrix.model)
     _assert_case(case, figures)
     done = _action_done(run, case)
-    record(
+    figures.record(
         f"disk (engine): {case}",
         done=f"{DONE[case]}; {done}",
-        seen=f"{SEEN[case]}; fault run cached {figures.fault_cached_tokens}; {STALL_HOW}",
-        counters={k: int(v) for k, v in figures.counted.items()},
-        outputs_identical=figures.outputs_identical,
-        max_stall_s=figures.stall_s,
-        hits_resumed_s=figures.hits_resumed_s,
+        seen=f"{SEEN[case]}; fault run cached {figures.fault_cached_tokens}",
     )
 
 
@@ -325,15 +320,11 @@ def test_engine_killed_mid_write_restarts_clean(matrix: DiskMatrix) -> None:
     ], describe(base)
     (integrity,) = (r for r in run.records if r.get("op") == "integrity")
     assert integrity["integrity"] == "ok", integrity
-    record(
+    figures.record(
         "disk (engine): SIGKILL mid-write, restart",
         done="engine SIGKILLed the moment a segment file changed during a run on new prompts; "
         "a new engine process on the same directory",
         seen=f"the new engine's first run cached {figures.fault_cached_tokens} of the killed "
         f"prompts, outputs correct, check_integrity ok; stored and hit again; earlier prompts "
-        f"all hit; {STALL_HOW}",
-        counters={k: int(v) for k, v in figures.counted.items()},
-        outputs_identical=figures.outputs_identical,
-        max_stall_s=figures.stall_s,
-        hits_resumed_s=figures.hits_resumed_s,
+        f"all hit",
     )

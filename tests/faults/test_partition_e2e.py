@@ -41,8 +41,9 @@ SUBNET = "10.213.61.0/24"
 LOAD_TIMEOUT_S = 4.0
 MOONCAKE_TUNING = {"op_timeout_s": 1.0, "retry_interval_s": 0.5}
 AFTER_LABELS = tuple(f"after{i}" for i in range(1, 7))
-AFTER_PAUSE_S = 2.0
 """Steps once the link is up again: the hits must come back within them."""
+AFTER_PAUSE_S = 2.0
+"""Wall time before each of those steps."""
 
 
 @pytest.fixture(scope="module")
