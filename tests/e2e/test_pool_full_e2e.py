@@ -5,8 +5,9 @@ step, into a pool that holds about three quarters of their blocks: the master
 evicts the least recently used objects (or refuses stores while eviction
 catches up). The engine keeps serving the greedy tokens of a run without the
 connector; evictions (the master's count) and refusals (the tier's counter,
-equal to the master's) are counted; after vLLM's own cache is reset the most
-recent prompts still hit from the pool and the oldest are recomputed.
+equal to the master's but for puts that timed out) are counted; after vLLM's
+own cache is reset the most recent prompts still hit from the pool and the
+oldest are recomputed.
 """
 
 from __future__ import annotations
@@ -80,15 +81,20 @@ def test_engine_serves_through_a_pool_that_fills_up(
     assert oldest["num_cached_tokens"] == [0] * PROMPTS_PER_STEP, describe(oldest)
     assert counter(oldest["connector"], "hit_tokens") == 0, describe(oldest)
     # One client and no deletes: every object it wrote is still there or was evicted;
-    # every store the master refused is counted by the tier.
+    # every store the master refused is counted by the tier. A put that got no answer in
+    # op_timeout_s counts as an error but may still land or be refused (a busy machine),
+    # so the pool may count up to that many objects the tier did not.
     (settled,) = (r for r in run.records if r.get("op") == "integrity")
     totals, figures = settled["counters"], small_pool.status()["pool"]
-    assert figures["evicted_keys"] > 0, figures
+    where = f"tier: {totals}; pool: {figures}"
+    assert figures["evicted_keys"] > 0, where
     written = totals["tier_writes{tier=mooncake}"]
-    assert written == figures["key_count"] + figures["evicted_keys"], (totals, figures)
-    assert totals["tier_written_bytes{tier=mooncake}"] > SEGMENT_BYTES, (totals, figures)
+    unanswered = totals.get("tier_errors{tier=mooncake}", 0)
+    landed = figures["key_count"] + figures["evicted_keys"]
+    assert written <= landed <= written + unanswered, where
+    assert totals["tier_written_bytes{tier=mooncake}"] > SEGMENT_BYTES, where
     refused = totals.get("tier_full_skips{tier=mooncake}", 0)
-    assert refused == figures["refused_puts"], (totals, figures)
+    assert refused <= figures["refused_puts"] <= refused + unanswered, where
     assert settled["integrity"] == "ok", settled
     stall_s = max(run.step("P", x)["seconds"] - run.step("ref", x)["seconds"] for x in labels)
     record(
