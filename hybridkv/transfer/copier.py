@@ -37,6 +37,9 @@ import torch
 
 from hybridkv.layout import BlockSpan, CanonicalKVCaches
 
+Hashes = npt.NDArray[np.uint64]
+"""One xxh3-64 per staging row (``runs.Hashes``)."""
+
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
 
 
@@ -137,16 +140,22 @@ class BlockCopier:
         out: npt.NDArray[np.uint8],
         *,
         row_stride: int | None = None,
-    ) -> None:
+        hashed: bool = False,
+    ) -> Hashes | None:
         """Copy blocks into rows of ``out`` (1-D uint8): row ``i`` starts ``i * row_stride``
-        bytes in (default ``block_bytes``: consecutive rows); ``out`` ends with the last row."""
+        bytes in (default ``block_bytes``: consecutive rows); ``out`` ends with the last row.
+
+        ``hashed``: also return each row's xxh3-64 (``tiers.codec.checksum``), taken
+        on CPU right after the row is written, while it is in cache."""
         stride = self._check_buffer(group_id, len(block_ids), out, row_stride)
         ids = self._block_index(block_ids)
         if self.is_cuda:
             rows = torch.from_numpy(self._row_view(group_id, len(block_ids), out, stride))
             self._gather_cuda(group_id, torch.from_numpy(ids), rows)
-            return
-        self._copy(group_id, ids, np.arange(len(ids)), out, stride, to_staging=True)
+            return self._hash_rows(group_id, len(ids), out, stride) if hashed else None
+        return self._copy(
+            group_id, ids, np.arange(len(ids)), out, stride, to_staging=True, hashed=hashed
+        )
 
     def scatter(
         self,
@@ -182,16 +191,35 @@ class BlockCopier:
         row_stride: int,
         *,
         to_staging: bool,
-    ) -> None:
+        hashed: bool = False,
+    ) -> Hashes | None:
         """Move block ``ids[i]`` to or from staging row ``rows[i]``, in one native call
-        to form the runs and one to copy them."""
+        to form the runs and one to copy them (and hash the rows, when ``hashed``)."""
         assert self._native is not None
         plan = self._runs[group_id]
         address = staging.ctypes.data
         runs = self._native.block_runs(
             ids, rows, address, row_stride, plan.spans, plan.block_order, to_staging
         )
-        self._native.copy_runs(runs)
+        if not hashed:
+            self._native.copy_runs(runs)
+            return None
+        if not plan.block_order:  # span by span: each row is done only at the end
+            self._native.copy_runs(runs)
+            return self._hash_rows(group_id, len(ids), staging, row_stride)
+        row_addresses = address + rows * row_stride
+        spans = plan.spans.shape[1]
+        block_bytes = self.block_bytes(group_id)
+        hashes: Hashes = self._native.copy_runs_hashed(runs, spans, row_addresses, block_bytes)
+        return hashes
+
+    def _hash_rows(
+        self, group_id: int, num_rows: int, staging: npt.NDArray[np.uint8], row_stride: int
+    ) -> Hashes:
+        from hybridkv.transfer import runs
+
+        rows = staging.ctypes.data + np.arange(num_rows, dtype=np.int64) * row_stride
+        return runs.hash_rows(rows, self.block_bytes(group_id))
 
     def _span(self, group_id: int, span: BlockSpan) -> _Span:
         block_tensor = self.caches.tensors[span.tensor_idx]

@@ -271,7 +271,7 @@ class TransferEngine:
         try:
             statuses: list[GetStatus] | list[PutStatus]
             if job.kind is JobKind.STORE:
-                statuses = self.tier.put_many(keys, job.buffers)
+                statuses = self.tier.put_many(keys, job.buffers, checksums=job.checksums)
             else:
                 statuses = self.tier.get_many_into(keys, job.buffers)
             if len(statuses) != len(keys):

@@ -110,6 +110,8 @@ class Job:
     deadline: float | None = None
     state: JobState = JobState.QUEUED
     buffers: list[Buffer] = field(default_factory=list)
+    checksums: list[int] | None = None
+    """A store's per-block xxh3-64, taken while gathering (header room only)."""
 
 
 def check_parts(

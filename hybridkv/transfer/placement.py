@@ -6,7 +6,9 @@ one call per part. With room (a tier that frames objects in place asks for
 it, ``Tier.register_staging``), every block sits ``room_bytes`` behind the
 start of its own aligned slot (rows ``stride`` bytes apart, still one copier
 call per part): the tier then writes its header into the room and moves
-header and payload as one slice, with no copy of its own.
+header and payload as one slice, with no copy of its own. The gather then
+also hands it each block's checksum, taken while the block was in cache, so
+the tier need not read the payload again.
 """
 
 from __future__ import annotations
@@ -59,10 +61,18 @@ class StagingPlacement:
         return [view for i, part in enumerate(job.parts) for view in self._blocks(job, i, part)]
 
     def gather(self, job: Job) -> None:
+        """Copy the job's blocks into staging. With header room, also take each block's
+        checksum while it is in cache (``job.checksums``, for the tier's header)."""
+        hashed = bool(self.room_bytes)
+        checksums: list[int] = []
         for i, part in enumerate(job.parts):
             if part.block_ids:
                 rows, stride = self._rows(job, i, part)
-                self.copier.gather(part.group_id, part.block_ids, rows, row_stride=stride)
+                hashes = self.copier.gather(
+                    part.group_id, part.block_ids, rows, row_stride=stride, hashed=hashed
+                )
+                checksums += [] if hashes is None else hashes.tolist()
+        job.checksums = checksums if hashed else None
 
     def scatter(self, job: Job, statuses: Sequence[GetStatus | PutStatus]) -> None:
         """Copy back the blocks answered OK, and only those."""

@@ -21,10 +21,13 @@ Addresses are raw: callers pass only runs inside buffers they hold.
 
 from __future__ import annotations
 
+import ctypes
+import importlib
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 from llvmlite import ir
 from llvmlite.binding import ffi
 from numba import njit, types
@@ -60,6 +63,31 @@ PREFETCH_BYTES = 1024
 
 Runs = npt.NDArray[np.int64]
 """(3, num_runs) int64: destination addresses, source addresses, sizes in bytes."""
+Hashes = npt.NDArray[np.uint64]
+"""One xxh3-64 (seed 0) per row, as ``hybridkv.tiers.codec.checksum`` computes it."""
+
+
+def _find_xxh3() -> int:
+    """The address of the xxhash package's own one-shot XXH3-64 (the CPU-dispatched
+    variant when it has one), checked against ``xxhash.xxh3_64_intdigest``."""
+    extension = importlib.import_module("xxhash._xxhash")
+    library = ctypes.CDLL(extension.__file__)
+    data = bytes(range(256)) * 5
+    probe = np.frombuffer(data, np.uint8)
+    for name in ("XXH3_64bits_dispatch", "XXH3_64bits"):
+        function = getattr(library, name, None)
+        if function is None:
+            continue
+        function.argtypes, function.restype = [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_uint64
+        if function(probe.ctypes.data, probe.nbytes) == xxhash.xxh3_64_intdigest(data):
+            return int(ctypes.cast(function, ctypes.c_void_p).value or 0)
+    raise RuntimeError(
+        f"the xxhash package at {xxhash.__file__} exports no XXH3_64bits matching "
+        "xxh3_64_intdigest; reinstall it (pip install --force-reinstall 'xxhash>=3.4')"
+    )
+
+
+XXH3_ADDRESS = _find_xxh3()
 
 
 @intrinsic  # type: ignore[untyped-decorator]
@@ -110,17 +138,41 @@ def _prefetch_intrinsic(for_write: int) -> Any:
     return prefetch
 
 
+@intrinsic  # type: ignore[untyped-decorator]
+def _call_hash(typingctx: Any, function: Any, address: Any, nbytes: Any) -> Any:
+    """``XXH3_64bits(address, nbytes)`` through the function pointer ``function``."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bytes_ptr = ir.IntType(8).as_pointer()
+        u64 = ir.IntType(64)
+        fn_type = ir.FunctionType(u64, [bytes_ptr, u64])
+        fn = builder.inttoptr(args[0], fn_type.as_pointer())
+        return builder.call(fn, [builder.inttoptr(args[1], bytes_ptr), args[2]])
+
+    return types.uint64(types.int64, types.int64, types.int64), codegen
+
+
 _prefetch_read = _prefetch_intrinsic(0)
 _prefetch_write = _prefetch_intrinsic(1)
 
 
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
 def _copy_runs(dst: Runs, src: Runs, sizes: Runs) -> int:  # pragma: no cover - native
+    copied: int = _copy_range(dst, src, sizes, 0, len(sizes))
+    return copied
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _copy_range(
+    dst: Runs, src: Runs, sizes: Runs, first: int, stop: int
+) -> int:  # pragma: no cover - native
+    """Copy runs ``first`` to ``stop`` (joined within that range only); the run after
+    the range, when there is one, is prefetched as any next run is."""
     num_runs = len(sizes)
     copied = 0
-    start, end = 0, _merged_end(dst, src, sizes, 0)
-    while start < num_runs:
-        following = _merged_end(dst, src, sizes, end)
+    start, end = first, _merged_end(dst, src, sizes, first, stop)
+    while start < stop:
+        following = _merged_end(dst, src, sizes, end, stop)
         d, s, size = dst[start], src[start], _sum(sizes, start, end)
         next_dst, next_src = (dst[end], src[end]) if end < num_runs else (d, s)
         whole = size - size % LINE_BYTES
@@ -144,13 +196,16 @@ def _copy_runs(dst: Runs, src: Runs, sizes: Runs) -> int:  # pragma: no cover - 
 
 
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
-def _merged_end(dst: Runs, src: Runs, sizes: Runs, i: int) -> int:  # pragma: no cover
-    """End of the stretch of runs from ``i`` that continue each other on both sides."""
-    if i >= len(sizes):
+def _merged_end(
+    dst: Runs, src: Runs, sizes: Runs, i: int, stop: int
+) -> int:  # pragma: no cover - native
+    """End of the stretch of runs from ``i`` (before ``stop``) that continue each other
+    on both sides."""
+    if i >= stop:
         return i
     end_dst, end_src = dst[i] + sizes[i], src[i] + sizes[i]
     j = i + 1
-    while j < len(sizes) and dst[j] == end_dst and src[j] == end_src:
+    while j < stop and dst[j] == end_dst and src[j] == end_src:
         end_dst += sizes[j]
         end_src += sizes[j]
         j += 1
@@ -165,6 +220,31 @@ def _sum(sizes: Runs, start: int, end: int) -> int:  # pragma: no cover - native
     return total
 
 
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _copy_and_hash(
+    dst: Runs,
+    src: Runs,
+    sizes: Runs,
+    runs_per_row: int,
+    rows: Runs,
+    row_bytes: int,
+    hash_fn: int,
+    out: Hashes,
+) -> int:  # pragma: no cover - native
+    """Copy each row's runs, then hash the row while it is still in cache."""
+    copied = 0
+    for r in range(len(rows)):
+        copied += _copy_range(dst, src, sizes, r * runs_per_row, (r + 1) * runs_per_row)
+        out[r] = _call_hash(hash_fn, rows[r], row_bytes)
+    return copied
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _hash_rows(rows: Runs, row_bytes: int, hash_fn: int, out: Hashes) -> None:  # pragma: no cover
+    for r in range(len(rows)):
+        out[r] = _call_hash(hash_fn, rows[r], row_bytes)
+
+
 def copy_runs(runs: Runs) -> int:
     """Copy every run of ``runs`` (see ``Runs``), in order; runs that continue each
     other on both sides go as one. Returns how many runs it copied after joining."""
@@ -172,6 +252,26 @@ def copy_runs(runs: Runs) -> int:
     if not runs.shape[1]:
         return 0
     return int(_copy_runs(runs[0], runs[1], runs[2]))
+
+
+def copy_runs_hashed(runs: Runs, runs_per_row: int, rows: Runs, row_bytes: int) -> Hashes:
+    """Copy runs as ``copy_runs`` does, ``runs_per_row`` at a time, each batch filling
+    the ``row_bytes`` at ``rows[r]``; hash each row right after its runs, while it is in
+    cache. Returns the hashes (see ``Hashes``)."""
+    assert runs.dtype == np.int64 and runs.ndim == 2 and runs.shape[0] == 3, runs.shape
+    assert rows.dtype == np.int64 and runs.shape[1] == len(rows) * runs_per_row, rows.shape
+    out = np.empty(len(rows), np.uint64)
+    if len(rows):
+        _copy_and_hash(runs[0], runs[1], runs[2], runs_per_row, rows, row_bytes, XXH3_ADDRESS, out)
+    return out
+
+
+def hash_rows(rows: Runs, row_bytes: int) -> Hashes:
+    """The hash (see ``Hashes``) of the ``row_bytes`` at each address of ``rows``."""
+    assert rows.dtype == np.int64 and rows.ndim == 1, rows.shape
+    out = np.empty(len(rows), np.uint64)
+    _hash_rows(rows, row_bytes, XXH3_ADDRESS, out)
+    return out
 
 
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
@@ -206,7 +306,10 @@ def warm_up() -> None:
     """Compile (or load) the native copy now rather than on the first transfer."""
     buffer = np.zeros(2 * LINE_BYTES + 2, np.uint8)
     address = buffer.ctypes.data
-    copy_runs(np.array([[address], [address + LINE_BYTES + 1], [LINE_BYTES + 1]], np.int64))
+    one_run = np.array([[address], [address + LINE_BYTES + 1], [LINE_BYTES + 1]], np.int64)
+    copy_runs(one_run)
+    copy_runs_hashed(one_run, 1, one_run[0], LINE_BYTES + 1)
+    hash_rows(one_run[0], 1)
     one = np.zeros(1, np.int64)
     spans = np.array([[address], [0], [0], [1]], np.int64)
     for block_order in (False, True):

@@ -146,8 +146,13 @@ class GatedTier(Tier):
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
         return self.inner.contains_many(keys)
 
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
-        return self.inner.put_many(keys, buffers)
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
+        return self.inner.put_many(keys, buffers, checksums)
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         self.num_waiting += 1

@@ -20,6 +20,7 @@ import pytest
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 from hybridkv.tiers.base import GetStatus, PutStatus, Tier
+from hybridkv.tiers.codec import checksum
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.disk.tier import DiskTier
@@ -127,6 +128,21 @@ def test_empty_and_mismatched_batches(tier: Tier) -> None:
         tier.put_many(keys, payloads([16]))
     with pytest.raises(TypeError, match="1-D numpy uint8 array"):
         tier.get_many_into(keys[:1], [np.zeros(4, dtype=np.int32)])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="checksums"):
+        tier.put_many(keys, payloads([16, 16]), [0])
+    assert tier.contains_many(keys) == [False, False]
+
+
+def test_puts_with_their_checksums_read_back_the_same(tier: Tier) -> None:
+    """A caller that took the checksums (the transfer engine, while gathering) hands them
+    over; every tier stores the same objects as without them."""
+    keys = new_keys(3)
+    values = payloads([4096, 100, 65536], seed=4)
+    sums = [checksum(value) for value in values]
+    assert tier.put_many(keys, values, sums) == [PutStatus.OK] * 3
+    outs = [np.zeros(len(value), dtype=np.uint8) for value in values]
+    assert tier.get_many_into(keys, outs) == [GetStatus.OK] * 3
+    assert all(np.array_equal(out, value) for out, value in zip(outs, values, strict=True))
 
 
 def test_stats_and_usage_count_what_happened(tier: Tier) -> None:

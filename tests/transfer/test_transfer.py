@@ -31,6 +31,7 @@ from hybridkv.tiers.base import (
 )
 from hybridkv.tiers.codec import (
     HEADER_BYTES,
+    checksum,
     pack_header,
     verify_header,
     verify_object,
@@ -88,7 +89,12 @@ class MemoryTier(Tier):
         with self._lock:
             return [k in self._objects for k in keys]
 
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
         check_batch(keys, buffers)
         self._enter()
         out = []
@@ -821,8 +827,17 @@ def test_copier_paths_move_exactly_the_bytes_of_the_layer_views(name: str) -> No
         nbytes = len(ids) * g.block_bytes
         for shift in (0, 1):  # aligned and deliberately misaligned staging
             out = np.zeros(nbytes + 1, np.uint8)[shift : shift + nbytes]
-            copier.gather(group_id, ids, out)
+            assert copier.gather(group_id, ids, out) is None
             assert out.tobytes() == want
+        # Rows apart with their checksums taken as they are written (a framing tier's
+        # put): each row's hash is the codec's checksum of what the row holds.
+        stride = g.block_bytes + 3 * STAGING_ALIGN_BYTES
+        framed = np.zeros((len(ids) - 1) * stride + g.block_bytes, np.uint8)
+        hashes = copier.gather(group_id, ids, framed, row_stride=stride, hashed=True)
+        rows_out = [framed[i * stride : i * stride + g.block_bytes] for i in range(len(ids))]
+        assert b"".join(row.tobytes() for row in rows_out) == want
+        assert hashes is not None and hashes.dtype == np.uint64
+        assert hashes.tolist() == [checksum(row) for row in rows_out]
         # Scatter fresh rows (all, then a subset) and compare every KV byte with the
         # same writes done through the per-layer views of an identical cache.
         for only_rows in (None, [0, 2, 5]):
@@ -944,11 +959,19 @@ class FramingTier(MemoryTier):
         assert offset >= 0, "a buffer without room in front"
         return self.staging[offset : offset + HEADER_BYTES + len(buffer)]
 
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
-        check_batch(keys, buffers)
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
+        check_batch(keys, buffers, checksums)
         self._enter()
-        for key, buffer in zip(keys, buffers, strict=True):
-            write_header_into(self._framed(buffer), key, buffer)
+        # The engine took each block's checksum while gathering it; the header trusts
+        # it, so the verify_object checks on what is stored test those checksums.
+        assert checksums is not None, "a framing tier's stores come with their checksums"
+        for key, buffer, value in zip(keys, buffers, checksums, strict=True):
+            write_header_into(self._framed(buffer), key, buffer, value)
         framed = [self._framed(buffer) for buffer in buffers]
         self.calls.append([(int(f.ctypes.data), int(f.ctypes.data) + len(f)) for f in framed])
         with self._lock:

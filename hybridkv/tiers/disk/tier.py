@@ -136,9 +136,14 @@ class DiskTier(Tier):
             self._dir.drop_if_lost(segment)
         return lost
 
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
         """Reserve in batch order, write runs of slots in parallel, commit in batch order."""
-        check_batch(keys, buffers)
+        check_batch(keys, buffers, checksums)
         self._check_writable("put")
         results: list[PutStatus] = [PutStatus.OK] * len(keys)
         reservations: list[Reservation] = []

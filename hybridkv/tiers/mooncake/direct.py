@@ -121,18 +121,28 @@ class StagedPath:
             return bool(self._held)
 
     def put(
-        self, keys: Sequence[StoreKey], objects: Framed, todo: list[int]
+        self,
+        keys: Sequence[StoreKey],
+        objects: Framed,
+        todo: list[int],
+        checksums: Sequence[int] | None = None,
     ) -> tuple[list[PutStatus | None], bool]:
         """Store ``todo`` (distinct keys); per index a status (None: unanswered), and
         whether the existence lookup answered. The first chunk's headers are written
-        while the lookup runs, each later chunk's while the one before is in Mooncake."""
+        while the lookup runs, each later chunk's while the one before is in Mooncake.
+        With ``checksums`` (the payloads', see ``Tier.put_many``) every header is
+        written at once on this thread: no payload is read."""
         statuses: list[PutStatus | None] = [None] * len(keys)
         framed = objects.views
         lookup = self._client.submit(self._client.store.batch_is_exist, [keys[i] for i in todo])
         if lookup is None:
             return statuses, False
         chunks = split(todo, framed)
-        self._share(seal, [(keys[i], framed[i]) for i in chunks[0]])
+        if checksums is not None:
+            for i in todo:
+                write_header_into(framed[i], keys[i], framed[i][HEADER_BYTES:], checksums[i])
+        else:
+            self._share(seal, [(keys[i], framed[i]) for i in chunks[0]])
         codes = self._client.wait(lookup, "lookup")
         if codes is None:
             return statuses, False
@@ -142,7 +152,7 @@ class StagedPath:
             statuses[i] = PutStatus.EXISTS
 
         def before(n: int, chunk: list[int]) -> list[int]:
-            if n:
+            if n and checksums is None:
                 self._share(seal, [(keys[i], framed[i]) for i in chunk if i not in present])
             return [i for i in chunk if i not in present]
 

@@ -131,14 +131,19 @@ class MooncakeTier(Tier):
         self._counts.looked_up(found)
         return found
 
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
         """Store objects absent from the pool; those present (or repeated) are EXISTS.
 
         Mooncake answers 0 for a key it already holds (and keeps the first
         value), so an existence lookup tells EXISTS apart. It runs while the
         first round is staged; later rounds skip what it found.
         """
-        check_batch(keys, buffers)
+        check_batch(keys, buffers, checksums)
         statuses = [PutStatus.ERROR] * len(keys)
         if not keys or not self._usable(len(keys)):
             return statuses
@@ -150,7 +155,7 @@ class MooncakeTier(Tier):
             seen.add(key)
         framed = self._staged.framed(buffers)
         if framed is not None:
-            answers, answered = self._staged.put(keys, framed, todo)
+            answers, answered = self._staged.put(keys, framed, todo, checksums)
             for i in todo:
                 statuses[i] = answers[i] or PutStatus.ERROR
             for i in repeated if answered else []:

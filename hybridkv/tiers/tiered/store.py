@@ -175,13 +175,18 @@ class TieredStore(Tier):
                 target, "promote", PutStatus.ERROR, put_many, promoted_keys, promoted_buffers
             )
 
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
         """Store into ``tiers[0]`` now and into the others by write-back (or now, without it).
 
         A key counts as OK when the first tier stored it or it was queued for write-back.
         """
-        check_batch(keys, buffers)
-        first = self._put_into(0, keys, buffers)
+        check_batch(keys, buffers, checksums)
+        first = self._put_into(0, keys, buffers, checksums)
         if self._write_back is not None:
             todo = [j for j, status in enumerate(first) if status is not PutStatus.EXISTS]
             queued = self._write_back.submit_many(
@@ -194,7 +199,7 @@ class TieredStore(Tier):
         else:
             results = list(first)
             for index in range(1, len(self.tiers)):
-                answers = self._put_into(index, keys, buffers)
+                answers = self._put_into(index, keys, buffers, checksums)
                 results = [
                     min(a, b, key=_PUT_RANK.__getitem__)
                     for a, b in zip(results, answers, strict=True)
@@ -207,9 +212,14 @@ class TieredStore(Tier):
         return results
 
     def _put_into(
-        self, index: int, keys: Sequence[StoreKey], buffers: Sequence[Buffer]
+        self,
+        index: int,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
     ) -> list[PutStatus]:
-        return self._batch(index, "put", PutStatus.ERROR, self.tiers[index].put_many, keys, buffers)
+        put_many = self.tiers[index].put_many
+        return self._batch(index, "put", PutStatus.ERROR, put_many, keys, buffers, checksums)
 
     def _write_lower(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> int:
         """Write-back thread: put into every tier but the first; returns failures."""

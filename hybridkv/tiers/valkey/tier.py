@@ -123,9 +123,14 @@ class ValkeyTier(Tier):
         self._bump(queries=len(keys), hits=sum(found), misses=len(keys) - sum(found))
         return found
 
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
         """``SET NX`` each object: an existing key keeps its first value (EXISTS)."""
-        check_batch(keys, buffers)
+        check_batch(keys, buffers, checksums)
         statuses = [PutStatus.ERROR] * len(keys)
 
         def read(i: int, replies: ReplyReader) -> None:

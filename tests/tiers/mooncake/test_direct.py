@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv.layout import allocate_kv_caches, canonicalize
-from hybridkv.tiers.codec import HEADER_BYTES, pack_header
+from hybridkv.tiers.base import GetStatus, PutStatus
+from hybridkv.tiers.codec import HEADER_BYTES, checksum, pack_header
 from hybridkv.tiers.mooncake import direct
 from hybridkv.tiers.mooncake.config import MooncakeConfig
 from hybridkv.tiers.mooncake.tier import MooncakeTier
@@ -223,3 +224,26 @@ def test_split_keeps_every_index_once_in_order(sizes: list[int], chunk_bytes: in
     assert [i for chunk in chunks for i in chunk] == list(range(len(sizes)))
     assert 1 <= len(chunks) <= max(1, min(direct.MAX_CHUNKS, sum(sizes) // chunk_bytes))
     assert all(chunks) or chunks == [[]]
+
+
+def test_checksums_given_with_a_put_go_into_the_headers_unread(pool: LocalPool) -> None:
+    """A put in registered staging writes the checksums it is given (taken by the engine
+    while gathering) instead of reading the payloads: a right one reads back OK, a wrong
+    one reads back CORRUPT (recomputed, never wrong data); a count that does not match
+    the keys is refused before anything is stored."""
+    with make_tier(pool) as tier:
+        staging = np.zeros(1 * MIB, dtype=np.uint8)
+        room = tier.register_staging(staging)
+        payloads = [np.random.default_rng(seed).integers(0, 256, 3000, np.uint8) for seed in (1, 2)]
+        buffers = [staging[room + i * 8192 : room + i * 8192 + 3000] for i in (0, 1)]
+        for buffer, payload in zip(buffers, payloads, strict=True):
+            buffer[:] = payload
+        keys = new_keys(2)
+        right = checksum(payloads[0])
+        with pytest.raises(ValueError, match="checksums"):
+            tier.put_many(keys, buffers, [right])
+        assert tier.put_many(keys, buffers, [right, right]) == [PutStatus.OK] * 2
+        out = [np.zeros(3000, np.uint8) for _ in keys]
+        assert tier.get_many_into(keys, out) == [GetStatus.OK, GetStatus.CORRUPT]
+        assert np.array_equal(out[0], payloads[0])
+        assert tier.stats().corrupt == 1

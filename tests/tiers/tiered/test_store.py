@@ -73,7 +73,12 @@ class RaisingTier(Tier):
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
         raise ConnectionError("pool unreachable")
 
-    def put_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[PutStatus]:
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
         raise ConnectionError("pool unreachable")
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
