@@ -110,9 +110,14 @@ class CpuTier(Tier):
         check_batch(keys, buffers, checksums)
         with self._lock:
             self._check_open()
-            return [self._put(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+            values = [None] * len(keys) if checksums is None else checksums
+            return [
+                self._put(key, buf, value)
+                for key, buf, value in zip(keys, buffers, values, strict=True)
+            ]
 
-    def _put(self, key: StoreKey, buf: Buffer) -> PutStatus:
+    def _put(self, key: StoreKey, buf: Buffer, value: int | None) -> PutStatus:
+        """Copy ``buf`` in; ``value`` is its checksum when the caller took it."""
         if key in self._entries:
             self._entries.move_to_end(key)
             return PutStatus.EXISTS
@@ -122,7 +127,7 @@ class CpuTier(Tier):
             return PutStatus.FULL
         stored = self._arena[offset : offset + len(buf)]
         np.copyto(stored, buf)
-        self._entries[key] = _Entry(offset, len(buf), checksum(stored))
+        self._entries[key] = _Entry(offset, len(buf), checksum(stored) if value is None else value)
         self._used_bytes += len(buf)
         self._stats.puts += 1
         self._stats.put_bytes += len(buf)

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
+from hybridkv.tiers.codec import checksum
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.memory import ALIGN_BYTES, PAGE_BYTES, ExtentAllocator, allocate_arena
 
@@ -194,6 +195,19 @@ def test_flipped_byte_in_arena_is_corrupt_counted_and_dropped() -> None:
     assert not out.any(), "corrupt bytes reached the caller's buffer"
     assert tier.stats().corrupt == 1
     assert tier.contains_many([k]) == [False]
+    tier.check_integrity()
+
+
+def test_a_given_checksum_is_kept_as_the_object_s_own() -> None:
+    """With checksums (the engine took them while gathering) the tier keeps them instead
+    of hashing its copy: the right one reads back, a wrong one reads back CORRUPT."""
+    tier = cpu_tier(1 << 16)
+    keys, values = [key("given-0"), key("given-1")], [payload(key(i), 3000) for i in "ab"]
+    right = checksum(values[0])
+    assert tier.put_many(keys, values, [right, right]) == [PutStatus.OK] * 2
+    assert get_one(tier, keys[0], 3000)[0] is GetStatus.OK
+    status, out = get_one(tier, keys[1], 3000)
+    assert status is GetStatus.CORRUPT and not out.any()
     tier.check_integrity()
 
 
