@@ -6,9 +6,13 @@ daemon) on "pool", engine 0 on "a", engine 1 on "b". Each engine is a process
 spawned inside its namespace, with ``MC_TCP_BIND_ADDRESS`` and the tier's
 ``local_hostname`` set to its host's address, a CPU tier in front of the pool.
 The engine alone runs first, as the reference. Prints the bench's table, then
-per engine host its hit rate, what the pool served and the mean load latency.
-Exit status 2 with the reason where namespaces cannot be made; 1 when an output
-differs from the engine alone's.
+per engine host its hit rate, what the pool served, the mean load latency (a
+load counts until the engine's next step sees it, so a step running meanwhile
+is in it) and the median of one Mooncake read by a fresh client on that host
+(``hybridkv.tools.pool_probe``), against the same read on the pool's own host:
+the network's share, apart from the engine's. Exit status 2 with the reason
+where namespaces cannot be made; 1 when an output differs from the engine
+alone's.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from hybridkv.cli.tables import format_bytes, format_table
 from hybridkv.paths import default_cache_dir
 from hybridkv.tools.netns import Network, unavailable_reason
 from hybridkv.tools.pool import LocalPool
+from hybridkv.tools.pool_probe import time_reads
 
 HOSTS = "hosts"
 SUBNET = "10.213.71.0/24"
@@ -62,6 +67,7 @@ def run_hosts(args: argparse.Namespace, overrides: dict[str, str]) -> int:
             pool = network.start_pool("pool", work_dir / "hosts-pool", segment_bytes=POOL_BYTES)
             try:
                 phases, alignment = _replay_across(ctx, network, pool)
+                read_ms = _read_ms(network, pool)
             finally:
                 pool.stop()
     except EngineFailed as exc:
@@ -76,7 +82,8 @@ def run_hosts(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         summary.outputs = compare_outputs(phase.records, alone.records, exact=exact)
         summaries.append(summary)
     print(format_table(summary_rows(summaries)), flush=True)
-    print("\n" + format_table(host_rows(phases)), flush=True)
+    print("\n" + format_table(host_rows(phases, read_ms)), flush=True)
+    print(f"one read on the pool's own host (no bridge): {read_ms['pool']:.2f} ms", flush=True)
     differ = sum(s.outputs.get("differ", 0) for s in summaries)
     if differ:
         print(f"[bench] FAILED: {differ} outputs differ from the engine alone's", file=sys.stderr)
@@ -93,6 +100,13 @@ def _replay_across(ctx: BenchContext, network: Network, pool: LocalPool) -> tupl
     finally:
         for engine in engines:
             engine.close()
+
+
+def _read_ms(network: Network, pool: LocalPool) -> dict[str, float]:
+    """Per host (the pool's own, then each engine's): median ms of a one-object read."""
+    say("timing one-object reads from each host")
+    hosts = ["pool", *ENGINE_HOSTS]
+    return {h: time_reads(pool.master_address, network.hosts[h]).median_ms for h in hosts}
 
 
 def _start(ctx: BenchContext, network: Network, pool: LocalPool, host: str) -> OfflineEngine:
@@ -121,10 +135,11 @@ def _start(ctx: BenchContext, network: Network, pool: LocalPool, host: str) -> O
     return engine
 
 
-def host_rows(phases: list[Phase]) -> list[list[str]]:
-    """Per engine host: hit rate, bytes the pool served, loads and their mean latency."""
-    rows = [["engine@host", "hit rate", "from pool", "loads", "mean load ms"]]
-    for phase in phases:
+def host_rows(phases: list[Phase], read_ms: dict[str, float]) -> list[list[str]]:
+    """Per engine host: hit rate, bytes the pool served, loads, their mean latency (to the
+    engine's next step) and the median of one pool read from that host."""
+    rows = [["engine@host", "hit rate", "from pool", "loads", "mean load ms", "one read ms"]]
+    for phase, host in zip(phases, ENGINE_HOSTS, strict=True):
         c = phase.counters
         prompt_tokens = sum(r.num_prompt_tokens for r in phase.records) or 1
         num_loads = counters.total(c, "hybridkv_load_seconds_count")
@@ -136,6 +151,7 @@ def host_rows(phases: list[Phase]) -> list[list[str]]:
                 format_bytes(int(counters.total(c, "hybridkv_tier_read_bytes", tier="mooncake"))),
                 f"{num_loads:.0f}",
                 f"{load_s / num_loads * 1000:.1f}" if num_loads else "-",
+                f"{read_ms[host]:.2f}",
             ]
         )
     return rows

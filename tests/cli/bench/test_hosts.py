@@ -13,7 +13,7 @@ def _record(num_prompt_tokens: int) -> Record:
                   sent_at=0.0, ttft_s=0.1, latency_s=0.2, output_token_ids=[1])  # fmt: skip
 
 
-def test_hit_rate_pool_bytes_and_mean_load_latency_per_host() -> None:
+def test_hit_rate_pool_bytes_load_latency_and_read_time_per_host() -> None:
     loading = Phase(
         setup="hosts",
         name="engine1@b",
@@ -29,8 +29,9 @@ def test_hit_rate_pool_bytes_and_mean_load_latency_per_host() -> None:
     )
     storing = Phase(setup="hosts", name="engine0@a", records=[_record(10)], counters={},
                     wall_s=1.0)  # fmt: skip
-    header, first, second = host_rows([storing, loading])
-    assert header[0] == "engine@host"
-    assert first == ["engine0@a", "0%", "0 B", "0", "-"]
-    # 250 of 1000 prompt tokens; only the pool's bytes; 0.1 s over 4 loads.
-    assert second == ["engine1@b", "25%", "3.0 KiB", "4", "25.0"]
+    read_ms = {"pool": 0.25, "a": 0.3, "b": 1.234}
+    header, first, second = host_rows([storing, loading], read_ms)
+    assert header[0] == "engine@host" and header[-1] == "one read ms"
+    assert first == ["engine0@a", "0%", "0 B", "0", "-", "0.30"]
+    # 250 of 1000 prompt tokens; only the pool's bytes; 0.1 s over 4 loads; b's read.
+    assert second == ["engine1@b", "25%", "3.0 KiB", "4", "25.0", "1.23"]
