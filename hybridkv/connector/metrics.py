@@ -60,11 +60,7 @@ CATALOG: tuple[Metric, ...] = (
         MetricType.COUNTER,
         "Load parts that waited for the store of their blocks (read-your-writes)",
     ),
-    Metric(
-        "load_seconds",
-        MetricType.HISTOGRAM,
-        "Seconds from a load's start until the first engine step after its last block landed",
-    ),
+    Metric("load_seconds", MetricType.HISTOGRAM, "Seconds from a load's start to its last block"),
     Metric("loaded_blocks", MetricType.COUNTER, "Blocks loaded into the KV cache", _GROUP),
     Metric("loaded_bytes", MetricType.COUNTER, "Bytes loaded into the KV cache", _GROUP),
     Metric("load_failed_blocks", MetricType.COUNTER, "Blocks that failed to load", _GROUP),

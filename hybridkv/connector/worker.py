@@ -74,6 +74,8 @@ class _Load:
     jobs: set[JobId] = field(default_factory=set)
     failed: dict[int, list[int]] = field(default_factory=dict)
     outcome: LoadOutcome = LoadOutcome.OK
+    landed: float | None = None
+    """When its last finished job was reported by the transfer engine."""
 
 
 class ConnectorWorker:
@@ -282,6 +284,7 @@ class ConnectorWorker:
 
     def _on_load_result(self, load: _Load, part: _Part, result: JobResult) -> None:
         load.jobs.discard(result.job_id)
+        load.landed = max(load.landed or result.finished_at, result.finished_at)
         for group_id, ids in result.failed_block_ids.items():
             if ids:
                 load.failed.setdefault(group_id, []).extend(ids)
@@ -307,7 +310,11 @@ class ConnectorWorker:
             LoadResult(req_id=req_id, outcome=load.outcome, failed_block_ids=tuple(failed))
         )
         self.stats.loads[load.outcome] += 1
-        self.stats.add_load_seconds(now - load.started)
+        # Until the last block landed, not until this poll: vLLM polls once a step, and a
+        # load that lands during a long prefill step would count the whole step.
+        landed = load.landed
+        end = now if landed is None or load.outcome is LoadOutcome.TIMED_OUT else landed
+        self.stats.add_load_seconds(end - load.started)
         for t in spec.transfers:
             counts = self.stats.groups[t.group_id]
             num_failed = len(failed[t.group_id])

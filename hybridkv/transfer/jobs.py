@@ -6,6 +6,7 @@ Pure data and pure functions; used in the worker process by ``engine``.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, NewType
@@ -53,6 +54,8 @@ class JobResult:
     """group_id -> block ids not stored / not loaded (their KV is untouched)."""
     detail: str | None = None
     """Why blocks failed, for logs (status counts, the exception, the timeout)."""
+    finished_at: float = 0.0
+    """``time.monotonic()`` when the engine reported the job (its last block landed)."""
 
     @property
     def ok(self) -> bool:
@@ -181,6 +184,7 @@ def build_result(
         ok_block_ids=ok,
         failed_block_ids=failed,
         detail=detail,
+        finished_at=time.monotonic(),
     )
     return result, counts
 

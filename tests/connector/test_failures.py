@@ -231,3 +231,26 @@ def test_every_group_is_sent_again_when_the_first_misses(tmp_path: Path) -> None
     assert engine.finish("b") is False
     assert engine.add("c", tokens) == 32
     close_engine(engine)
+
+
+def test_load_seconds_end_when_the_last_block_lands_not_at_the_next_poll(
+    tmp_path: Path,
+) -> None:
+    """vLLM polls the worker once a step; a load that lands early in a long step is timed
+    to its landing, not to the poll that sees it."""
+    kinds = (SW, FULL)
+    tokens = prompt(37)
+    store_prompt(make_layout(kinds), tmp_path, tokens, chunk=12)
+    engine, gated = gated_engine(tmp_path, kinds)
+    assert engine.add("s", tokens) == 36
+    engine.step({})  # the load is submitted and waits at the gate
+    time.sleep(0.2)
+    gated.release()
+    assert engine.worker.wait_idle(5)
+    time.sleep(0.6)  # a long step: the load landed before it ended
+    engine.step({})
+    (result,) = engine.finished_loads()
+    assert result.ok
+    seconds = engine.worker.stats.load_seconds_sum
+    assert 0.2 <= seconds < 0.6, seconds
+    close_engine(engine)
