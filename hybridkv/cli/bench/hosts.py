@@ -6,9 +6,9 @@ daemon) on "pool", engine 0 on "a", engine 1 on "b". Each engine is a process
 spawned inside its namespace, with ``MC_TCP_BIND_ADDRESS`` and the tier's
 ``local_hostname`` set to its host's address, a CPU tier in front of the pool.
 The engine alone runs first, as the reference. Prints the bench's table, then
-per engine host its hit rate, what the pool served, the mean load latency (a
-load counts until the engine's next step sees it, so a step running meanwhile
-is in it) and the median of one Mooncake read by a fresh client on that host
+per engine host its hit rate, what the pool served, the mean load latency
+(from a load's start to its last block) and the median of one Mooncake read
+by a fresh client on that host
 (``hybridkv.tools.pool_probe``), against the same read on the pool's own host:
 the network's share, apart from the engine's. Exit status 2 with the reason
 where namespaces cannot be made; 1 when an output differs from the engine
@@ -136,8 +136,8 @@ def _start(ctx: BenchContext, network: Network, pool: LocalPool, host: str) -> O
 
 
 def host_rows(phases: list[Phase], read_ms: dict[str, float]) -> list[list[str]]:
-    """Per engine host: hit rate, bytes the pool served, loads, their mean latency (to the
-    engine's next step) and the median of one pool read from that host."""
+    """Per engine host: hit rate, bytes the pool served, loads, their mean latency and
+    the median of one pool read from that host."""
     rows = [["engine@host", "hit rate", "from pool", "loads", "mean load ms", "one read ms"]]
     for phase, host in zip(phases, ENGINE_HOSTS, strict=True):
         c = phase.counters
