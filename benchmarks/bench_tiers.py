@@ -162,7 +162,7 @@ def main() -> int:
     cpu = CpuTier(CpuConfig(capacity_bytes=total_bytes + (1 << 20), pin_memory=False))
     warm_up()
     runs = object_runs(targets, objects)
-    copies = [partial(copy_objects, targets, objects), partial(copy_runs, runs)]
+    copies = [partial(copy_objects, targets, objects), partial(copy_runs, runs, streaming=False)]
     cpu_put, cpu_get = Pair("cpu put", "copy objects"), Pair("cpu get", "copy objects")
     one_memcpy = Pair("one memcpy", "(reference)")
     for _ in range(args.repeat):

@@ -69,9 +69,9 @@ def joined_count(dst_starts: list[int], src_starts: list[int], sizes: list[int])
 
 
 @settings(max_examples=150, deadline=None)
-@given(run_lists())
+@given(run_lists(), st.booleans())
 def test_copy_runs_writes_what_a_byte_loop_writes_and_joins_continuing_runs(
-    case: tuple[list[int], list[int], list[int]],
+    case: tuple[list[int], list[int], list[int]], streaming: bool
 ) -> None:
     dst_starts, src_starts, sizes = case
     nbytes = max(
@@ -82,9 +82,33 @@ def test_copy_runs_writes_what_a_byte_loop_writes_and_joins_continuing_runs(
     for d, s, n in zip(dst_starts, src_starts, sizes, strict=True):
         want[d : d + n] = src[s : s + n]
     dst = np.zeros_like(want)
-    copied = copy_runs(runs_over(dst, src, dst_starts, src_starts, sizes))
+    copied = copy_runs(runs_over(dst, src, dst_starts, src_starts, sizes), streaming=streaming)
     assert np.array_equal(dst, want)
     assert copied == joined_count(dst_starts, src_starts, sizes)
+
+
+def page_aligned(nbytes: int, seed: int) -> np.ndarray:
+    raw = np.frombuffer(random.Random(seed).randbytes(nbytes + 4096), np.uint8).copy()
+    start = -raw.ctypes.data % 4096
+    return raw[start : start + nbytes]
+
+
+def test_streaming_copies_of_aligned_and_unaligned_runs_land_whole() -> None:
+    """Large calls stream by default: runs with 32-byte aligned destinations take the
+    non-temporal path, the others the ordinary one, and every byte lands as a byte
+    loop would put it (scattered 4 KiB runs, plus odd sizes and offsets)."""
+    src, dst = page_aligned(12 << 20, 1), page_aligned(12 << 20, 2)
+    want = dst.copy()
+    rng = random.Random(3)
+    slots = rng.sample(range((12 << 20) // 4096), 2500)
+    dst_starts = [slot * 4096 + rng.choice([0, 0, 32, 8, 1]) for slot in slots]
+    sizes = [rng.choice([4096 - 32, 4000, 129, 1]) for _ in slots]
+    src_starts = [rng.randrange(0, (12 << 20) - 4096) for _ in slots]
+    for d, s, n in zip(dst_starts, src_starts, sizes, strict=True):
+        want[d : d + n] = src[s : s + n]
+    runs = runs_over(dst, src, dst_starts, src_starts, sizes)
+    copy_runs(runs, streaming=True)
+    assert np.array_equal(dst, want)
 
 
 def test_copy_runs_joins_exactly_the_runs_that_continue_on_both_sides() -> None:
