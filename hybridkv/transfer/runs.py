@@ -18,10 +18,11 @@ and in the staging rows) are joined and move as one run.
 
 Calls that move at least ``STREAM_MIN_BYTES`` store with non-temporal moves
 (each run's whole destination cache lines) and fence before returning, as
-glibc's memcpy does past a few MiB: an ordinary store first reads each
-destination line into cache, so scattering 4 KiB runs with them ran at 0.80
-of one long memcpy here, and streaming ones at 1.0-1.3 (gathers gain less).
-Smaller calls keep ordinary stores: what they write is likely read soon.
+glibc's memcpy does past its non-temporal threshold: an ordinary store first
+reads each destination line into cache, so scattering 4 KiB runs with them
+ran at 0.80 of one long memcpy here, and 0.90 with streaming stores (256 KiB
+blocks: 0.90 and 1.3-1.5). Smaller calls keep ordinary stores: what they
+write is likely read soon.
 
 ``copy_runs_hashed`` also takes each staging row's xxh3-64 right after the
 row's runs are copied, while it is still in cache: a tier that frames
@@ -55,7 +56,7 @@ from hybridkv.transfer.native import (
 PREFETCH_BYTES = 1024
 """How much of the next run to prefetch; the hardware prefetcher streams the rest."""
 STREAM_MIN_BYTES = 8 << 20
-"""Calls moving at least this much use streaming stores where the destination allows."""
+"""Calls moving at least this many bytes use streaming stores (see the module doc)."""
 
 Runs = npt.NDArray[np.int64]
 """(3, num_runs) int64: destination addresses, source addresses, sizes in bytes."""
