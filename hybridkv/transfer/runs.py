@@ -95,6 +95,8 @@ def _copy_range(
                 move_tail(d, s, offset)
         whole = offset + (size - offset) // LINE_BYTES * LINE_BYTES
         ahead = min(offset + PREFETCH_BYTES, whole)
+        # Two loops, not one with a branch per line: numba left the branch in the loop,
+        # and 16 KiB layer-major copies fell from 0.96 to 0.80 of memcpy.
         if streaming:
             while offset < ahead:
                 prefetch_read(next_src + offset)
@@ -177,8 +179,8 @@ def copy_runs(runs: Runs, *, streaming: bool | None = None) -> int:
     other on both sides go as one. Returns how many runs it copied after joining.
 
     ``streaming`` (default: when the runs add up to ``STREAM_MIN_BYTES``): store
-    with non-temporal moves where a destination is 32-byte aligned, so the
-    destination is not read into cache first, and fence before returning."""
+    each run's whole destination cache lines with non-temporal moves, so they are
+    not read into cache first, and fence before returning."""
     assert runs.dtype == np.int64 and runs.ndim == 2 and runs.shape[0] == 3, runs.shape
     if not runs.shape[1]:
         return 0
