@@ -53,8 +53,11 @@ def checksum(payload: Bytes) -> int:
     return int(xxhash.xxh3_64_intdigest(_view(payload)))
 
 
-def pack_header(key: StoreKey, payload: Bytes) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, 0, len(_view(payload)), checksum(payload), key_digest(key))
+def pack_header(key: StoreKey, payload: Bytes, payload_checksum: int | None = None) -> bytes:
+    """The header for ``payload`` (``payload_checksum``: its ``checksum``, when the
+    caller already took it)."""
+    value = checksum(payload) if payload_checksum is None else payload_checksum
+    return _HEADER.pack(MAGIC, VERSION, 0, len(_view(payload)), value, key_digest(key))
 
 
 def write_header_into(

@@ -297,7 +297,11 @@ class SegmentDirectory:
             segment.ready.set()
 
     def write(
-        self, part: list[Reservation], keys: Sequence[StoreKey], buffers: Sequence[Buffer]
+        self,
+        part: list[Reservation],
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
     ) -> bool:
         segment = part[0].segment
         if segment.failed:
@@ -305,7 +309,16 @@ class SegmentDirectory:
         try:
             if self.removed(segment):
                 return False
-            run = [segments.Placed(r.slot, r.offset, keys[r.item], buffers[r.item]) for r in part]
+            run = [
+                segments.Placed(
+                    r.slot,
+                    r.offset,
+                    keys[r.item],
+                    buffers[r.item],
+                    None if checksums is None else checksums[r.item],
+                )
+                for r in part
+            ]
             segments.write_run(
                 segment.fd,
                 segment.seq,

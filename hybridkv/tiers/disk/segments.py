@@ -291,12 +291,14 @@ a core's cache between the two (a whole run would be read from memory twice)."""
 
 
 class Placed(NamedTuple):
-    """One object of a run: its slot, where its payload goes, its key and bytes."""
+    """One object of a run: its slot, where its payload goes, its key and bytes, and
+    the payload's checksum when the caller already took it."""
 
     slot: int
     offset: int
     key: StoreKey
     payload: Buffer
+    checksum: int | None = None
 
 
 def write_run(
@@ -311,7 +313,7 @@ def write_run(
     """
     headers: list[bytes] = []
     for piece in pieces(run):
-        headers += [codec.pack_header(p.key, p.payload) for p in piece]
+        headers += [codec.pack_header(p.key, p.payload, p.checksum) for p in piece]
         views: list[memoryview] = []
         position = piece[0].offset
         for placed in piece:

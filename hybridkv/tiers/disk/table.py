@@ -165,7 +165,9 @@ class SegmentTable:
         segment.cursor = offset + align_up(num_bytes)
         segment.pending += 1
         self.pending.add(digest)
-        self.use(segment)
+        seq = segment.header.seq  # ``use``, inlined: this runs once per object put
+        if self.segments.get(seq) is segment:
+            self.segments.move_to_end(seq)
         return Reservation(item, digest, segment, slot, offset, num_bytes)
 
     def supersede(self, segment: Segment) -> None:
@@ -198,15 +200,23 @@ class SegmentTable:
 
     def commit(self, reservation: Reservation, written: bool) -> bool:
         """Index a written reservation; False if it failed or its segment is gone."""
-        segment = reservation.segment
-        segment.pending -= 1
-        self.pending.discard(reservation.digest)
-        if not (written and self.holds(segment)):
-            return False
-        entry = Entry(segment, reservation.slot, reservation.offset, reservation.length)
-        self.index[reservation.digest] = entry
-        segment.digests.add(reservation.digest)
-        return True
+        return self.commit_part([reservation], written) == 1
+
+    def commit_part(self, part: list[Reservation], written: bool) -> int:
+        """Index the reservations of one written part (all of one segment, or none
+        written); returns how many were indexed."""
+        pending, index = self.pending, self.index
+        for r in part:
+            r.segment.pending -= 1
+            pending.discard(r.digest)
+        if not written or not part or not self.holds(part[0].segment):
+            return 0
+        segment = part[0].segment
+        digests = segment.digests
+        for r in part:
+            index[r.digest] = Entry(segment, r.slot, r.offset, r.length)
+            digests.add(r.digest)
+        return len(part)
 
     def evict(self, segment: Segment, *, count: bool = True) -> None:
         """Forget a segment and its objects (its file is the caller's business)."""

@@ -173,32 +173,39 @@ class DiskTier(Tier):
         for run in runs(reservations):
             run[0].segment.ready.wait()  # another call may be preparing it
             parts.extend(split(run, self._num_io_threads))
-        written = self._map(lambda i: self._dir.write(parts[i], keys, buffers), len(parts))
+        written = self._map(
+            lambda i: self._dir.write(parts[i], keys, buffers, checksums), len(parts)
+        )
         with self._lock:
             for part, ok in zip(parts, written, strict=True):
-                for reservation in part:
-                    results[reservation.item] = self._commit(reservation, ok)
-            for segment in {r.segment for r in reservations}:
-                if self._table.holds(segment):
-                    self._dir.touch(segment)
+                self._commit(part, ok, results)
+            for segment in {part[0].segment for part in parts}:
+                self._finish_writes(segment)
         return results
 
-    def _commit(self, reservation: Reservation, written: bool) -> PutStatus:
-        segment = reservation.segment
-        if self._table.commit(reservation, written):
-            self._stats.puts += 1
-            self._stats.put_bytes += reservation.length
+    def _commit(self, part: list[Reservation], written: bool, results: list[PutStatus]) -> None:
+        """Index one part's objects (all in one segment) and set their results."""
+        if self._table.commit_part(part, written):
+            self._stats.puts += len(part)
+            self._stats.put_bytes += sum(r.length for r in part)
             status = PutStatus.OK
         else:
-            self._stats.errors += 1
+            self._stats.errors += len(part)
             status = PutStatus.ERROR
+        for reservation in part:
+            results[reservation.item] = status
+
+    def _finish_writes(self, segment: Segment) -> None:
+        """After a put's parts in ``segment`` are committed: stamp its use; evict it if its
+        file failed, seal it once superseded and idle, drop it if removed from outside."""
+        if self._table.holds(segment):
+            self._dir.touch(segment)
         if segment.pending == 0:
             if segment.failed and self._table.holds(segment):
                 self._table.evict(segment, count=False)
             elif segment.superseded and not segment.sealed and not segment.lost:
                 self._dir.seal(segment)
         self._dir.drop_if_lost(segment)
-        return status
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         check_batch(keys, buffers)
@@ -298,9 +305,12 @@ class DiskTier(Tier):
             return stats
 
     def _map(self, one: Callable[[int], T], count: int) -> list[T]:
+        """``one`` of each index; the calling thread takes the first itself."""
         if self._pool is None or count < 2:
             return [one(i) for i in range(count)]
-        return list(self._pool.map(one, range(count)))
+        others = [self._pool.submit(one, i) for i in range(1, count)]
+        first = one(0)
+        return [first, *(future.result() for future in others)]
 
     def close(self) -> None:
         with self._lock:

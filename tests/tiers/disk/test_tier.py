@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
-from hybridkv.tiers.codec import key_digest
+from hybridkv.tiers.codec import checksum, key_digest
 from hybridkv.tiers.disk import segments
 from hybridkv.tiers.disk.segments import PAGE, SLOT_BYTES, Geometry, RecordInfo, SlotState
 from hybridkv.tiers.disk.tier import DiskConfig, DiskTier, DiskTierInUse, FsyncPolicy
@@ -284,6 +284,22 @@ def test_buffer_of_another_size_is_corrupt(tmp_path: Path) -> None:
     tier.put_many([k], [payload(k, 5000)])
     assert get_one(tier, k, 4999)[0] is GetStatus.CORRUPT
     assert tier.stats().corrupt == 1
+    tier.check_integrity()
+
+
+def test_given_checksums_go_into_the_headers(tmp_path: Path) -> None:
+    """With checksums (the engine took them while gathering) the tier writes them instead
+    of hashing the payloads: across the parts of a batch written by several threads, each
+    object with its right checksum reads back, each with a wrong one reads back CORRUPT."""
+    tier = disk_tier(tmp_path, num_io_threads=2)
+    keys = [key(f"given/{i}") for i in range(12)]
+    values = [payload(k, 600_000) for k in keys]
+    sums = [checksum(v) if i % 3 else checksum(v) ^ 1 for i, v in enumerate(values)]
+    assert tier.put_many(keys, values, sums) == [PutStatus.OK] * len(keys)
+    statuses = [get_one(tier, k, 600_000)[0] for k in keys]
+    expected = [GetStatus.OK if i % 3 else GetStatus.CORRUPT for i in range(len(keys))]
+    assert statuses == expected
+    assert tier.stats().corrupt == 4
     tier.check_integrity()
 
 
