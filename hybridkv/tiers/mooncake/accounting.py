@@ -59,6 +59,20 @@ class MooncakeAccounting:
             assert 0 <= self.num_objects <= stats.puts, (self.num_objects, stats.puts)
             assert 0 <= self.used_bytes <= stats.put_bytes, (self.used_bytes, stats.put_bytes)
 
+    def stored(self, num_objects: int, payload_bytes: int) -> None:
+        """Count objects stored (each answered 0) at once: ``put_status`` for many."""
+        with self.lock:
+            self.stats.puts += num_objects
+            self.stats.put_bytes += payload_bytes
+            self.num_objects += num_objects
+            self.used_bytes += payload_bytes
+
+    def loaded(self, num_objects: int, payload_bytes: int) -> None:
+        """Count objects read whole and verified at once: ``get_status`` for many."""
+        with self.lock:
+            self.stats.gets += num_objects
+            self.stats.get_bytes += payload_bytes
+
     def put_status(self, code: int, payload_bytes: int, unexpected: list[int]) -> PutStatus:
         with self.lock:
             if code == 0:

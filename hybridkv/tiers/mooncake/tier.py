@@ -153,9 +153,14 @@ class MooncakeTier(Tier):
         for i, key in enumerate(keys):
             (repeated if key in seen else todo).append(i)
             seen.add(key)
+        # Asked first: the master answers while the objects are framed and headed.
+        lookup = self._client.submit(self._client.store.batch_is_exist, [keys[i] for i in todo])
+        if lookup is None:
+            self._counts.count(errors=len(keys))
+            return statuses
         framed = self._staged.framed(buffers)
         if framed is not None:
-            answers, answered = self._staged.put(keys, framed, todo, checksums)
+            answers, answered = self._staged.put(keys, framed, todo, lookup, checksums)
             for i in todo:
                 statuses[i] = answers[i] or PutStatus.ERROR
             for i in repeated if answered else []:
@@ -164,10 +169,6 @@ class MooncakeTier(Tier):
             self._counts.count(errors=unanswered + (0 if answered else len(repeated)))
             return statuses
         rounds, too_large = self._rounds(todo, buffers)
-        lookup = self._client.submit(self._client.store.batch_is_exist, [keys[i] for i in todo])
-        if lookup is None:
-            self._counts.count(errors=len(keys))
-            return statuses
         planned = frozenset(i for round_ in rounds for i in round_.indices)
         job = _Job(keys, buffers, statuses, lookup=(todo, lookup), planned=planned)
         if rounds:
