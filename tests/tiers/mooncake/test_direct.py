@@ -136,7 +136,11 @@ def test_blocks_round_trip_through_the_pool_with_no_copy_by_the_tier(
                 assert all(low <= p and p + n <= high for p, n in spans), op
                 assert {n for _, n in spans} == {object_bytes}, op
             engine.check_integrity()
-        assert tier.stats().errors == 0
+        stats, payload_bytes = tier.stats(), len(ids) * len(saved[3])
+        assert (stats.puts, stats.put_bytes) == (len(ids), payload_bytes)
+        assert (stats.gets, stats.get_bytes) == (len(ids), payload_bytes)
+        assert stats.errors == stats.corrupt == 0
+        assert tier.usage().num_objects == len(ids)
         tier.check_integrity()
 
 
