@@ -140,10 +140,11 @@ class StagedPath:
     ) -> tuple[list[PutStatus | None], bool]:
         """Store ``todo`` (distinct keys); per index a status (None: unanswered), and
         whether ``lookup`` (``batch_is_exist`` of ``todo``'s keys, submitted) answered.
-        The first chunk's headers are written while the lookup runs, each later
-        chunk's while the one before is in Mooncake. With ``checksums`` (the
+        The first chunk is hashed while the lookup runs, each later chunk while the
+        one before is in Mooncake (xxh3 lets go of the GIL). With ``checksums`` (the
         payloads', see ``Tier.put_many``) every header is written at once on this
-        thread: no payload is read."""
+        thread, a few microseconds each, before the lookup is waited for: no payload
+        is read."""
         statuses: list[PutStatus | None] = [None] * len(keys)
         framed = objects.views
         chunks = split(todo, framed)

@@ -153,7 +153,7 @@ class MooncakeTier(Tier):
         for i, key in enumerate(keys):
             (repeated if key in seen else todo).append(i)
             seen.add(key)
-        # Asked first: the master answers while the objects are framed and headed.
+        # Asked first: the client's thread sends it once this one waits or hashes.
         lookup = self._client.submit(self._client.store.batch_is_exist, [keys[i] for i in todo])
         if lookup is None:
             self._counts.count(errors=len(keys))
