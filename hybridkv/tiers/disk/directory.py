@@ -22,10 +22,9 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
 from typing import NamedTuple
 
-from hybridkv.tiers.base import Buffer, StoreKey, TierStats
+from hybridkv.tiers.base import TierStats
 from hybridkv.tiers.disk import segments
 from hybridkv.tiers.disk.config import RANK_DIR, DiskConfig, FsyncPolicy
 from hybridkv.tiers.disk.files import (
@@ -38,7 +37,7 @@ from hybridkv.tiers.disk.files import (
     unlink,
 )
 from hybridkv.tiers.disk.segments import SLOT_BYTES, SlotState, slot_offset
-from hybridkv.tiers.disk.table import Entry, Reservation, Segment, SegmentTable
+from hybridkv.tiers.disk.table import Entry, Segment, SegmentTable
 from hybridkv.tiers.log_once import LogOnce
 
 logger = logging.getLogger(__name__)
@@ -296,29 +295,13 @@ class SegmentDirectory:
             segment.reuse = None
             segment.ready.set()
 
-    def write(
-        self,
-        part: list[Reservation],
-        keys: Sequence[StoreKey],
-        buffers: Sequence[Buffer],
-        checksums: Sequence[int] | None = None,
-    ) -> bool:
-        segment = part[0].segment
+    def write(self, segment: Segment, run: list[segments.Placed]) -> bool:
+        """Write one run of reserved slots (``segments.write_run``); False on failure."""
         if segment.failed:
             return False
         try:
             if self.removed(segment):
                 return False
-            run = [
-                segments.Placed(
-                    r.slot,
-                    r.offset,
-                    keys[r.item],
-                    buffers[r.item],
-                    None if checksums is None else checksums[r.item],
-                )
-                for r in part
-            ]
             segments.write_run(
                 segment.fd,
                 segment.seq,

@@ -173,9 +173,16 @@ class DiskTier(Tier):
         for run in runs(reservations):
             run[0].segment.ready.wait()  # another call may be preparing it
             parts.extend(split(run, self._num_io_threads))
-        written = self._map(
-            lambda i: self._dir.write(parts[i], keys, buffers, checksums), len(parts)
-        )
+        sums = [None] * len(keys) if checksums is None else checksums
+
+        def write(part: list[Reservation]) -> bool:
+            run = [
+                segments.Placed(r.slot, r.offset, keys[r.item], buffers[r.item], sums[r.item])
+                for r in part
+            ]
+            return self._dir.write(part[0].segment, run)
+
+        written = self._map(lambda i: write(parts[i]), len(parts))
         with self._lock:
             for part, ok in zip(parts, written, strict=True):
                 self._commit(part, ok, results)
