@@ -198,10 +198,6 @@ class SegmentTable:
         work.discarded.extend(victims[1:])
         return segment
 
-    def commit(self, reservation: Reservation, written: bool) -> bool:
-        """Index a written reservation; False if it failed or its segment is gone."""
-        return self.commit_part([reservation], written) == 1
-
     def commit_part(self, part: list[Reservation], written: bool) -> int:
         """Index the reservations of one written part (all of one segment, or none
         written); returns how many were indexed."""

@@ -24,7 +24,7 @@ def put(t: SegmentTable, name: str, num_bytes: int = 8192) -> tuple[Reservation 
     reserved = t.reserve(0, name, num_bytes, work)
     open_all(work)
     if isinstance(reserved, Reservation):
-        assert t.commit(reserved, written=True)
+        assert t.commit_part([reserved], written=True) == 1
     return reserved, work
 
 
@@ -56,7 +56,7 @@ def test_the_least_recently_used_idle_segment_is_evicted_and_its_file_reused() -
     assert segment_b.seq not in t.segments and segment_a.seq in t.segments
     assert set(t.index) == {"a", "b"} and t.num_evicted == 2
     open_all(work)
-    assert t.commit(reserved, written=True)
+    assert t.commit_part([reserved], written=True) == 1
     assert set(t.index) == {"a", "b", "e"}
     t.check()
 
