@@ -187,6 +187,10 @@ class ConnectorWorker:
     def num_loads_in_flight(self) -> int:
         return len(self._loads)
 
+    def wait_jobs(self, timeout_s: float | None = None) -> bool:
+        """Block until every transfer job has its result (one given up on has it already)."""
+        return self.engine is None or self.engine.wait(None, timeout_s)
+
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no transfer job is running (tests, shutdown)."""
         return self.engine is None or self.engine.wait_idle(timeout_s)

@@ -12,6 +12,7 @@ types from ``plumbing``, metrics from ``metrics``.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -244,9 +245,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return {sample.key: float(sample.value) for sample in self._samples()}
 
     def flush_writes(self, timeout_s: float | None = None) -> bool:
-        """Worker side: wait until every queued write-back to the slower tiers is done
-        (False on timeout). True at once on the scheduler side."""
-        return self._worker is None or self._worker.store.flush(timeout_s)
+        """Worker side: wait until every store job has written its blocks to the first
+        tier, then until every queued write-back to the slower tiers is done (False on
+        timeout). True at once on the scheduler side."""
+        if self._worker is None:
+            return True
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._worker.wait_jobs(timeout_s):
+            return False
+        return self._worker.store.flush(None if end is None else max(0.0, end - time.monotonic()))
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the worker side's bookkeeping is inconsistent.
