@@ -3,7 +3,8 @@
 Runs in the worker process, on the calling thread, without the GIL. A run is
 (destination address, source address, size in bytes). ``copy_runs`` copies
 them in order with inlined 128-byte vector moves and, while it copies one
-run, prefetches the start of the next run's source and destination.
+run, prefetches the next run, a line for each line it copies (at least
+``PREFETCH_BYTES`` of it), so the whole next run is on its way when it starts.
 
 Why not ``memcpy`` per run (``np.take`` over ``void`` elements, torch's
 ``index_select``): at the start of each scattered run the hardware
@@ -11,7 +12,11 @@ prefetcher has nothing to go on, so every run of a few KiB stalls on memory
 first; and glibc picks ``rep movsb`` for runs under half of L2, which some
 CPUs (AMD EPYC under KVM) run slower than their vector loop. Together that
 left 4-16 KiB blocks at 0.75-0.85 of one long copy; prefetching the next run
-brings them to the long copy's speed (``benchmarks/bench_transfer.py``).
+brings them to the long copy's speed (``benchmarks/bench_transfer.py``). How
+much of it matters by CPU: prefetching only its first KiB was enough on
+AMD Zen 2, while on Zen 5 (AVX-512) 16 KiB gathers stayed at 0.75 of memcpy
+and 4 KiB-run gathers at 0.70; the whole next run brought them to 0.87-0.91
+and 0.76-0.79.
 
 Runs that continue each other on both sides (blocks adjacent in the cache
 and in the staging rows) are joined and move as one run.
@@ -54,7 +59,7 @@ from hybridkv.transfer.native import (
 )
 
 PREFETCH_BYTES = 1024
-"""How much of the next run to prefetch; the hardware prefetcher streams the rest."""
+"""The least of the next run to prefetch, however short the run being copied."""
 STREAM_MIN_BYTES = 8 << 20
 """Calls moving at least this many bytes use streaming stores (see the module doc)."""
 
@@ -87,36 +92,45 @@ def _copy_range(
     while start < stop:
         following = _merged_end(dst, src, sizes, end, stop)
         d, s, size = dst[start], src[start], _sum(sizes, start, end)
+        # The next run: the next joined stretch in the range, else the run after it.
+        after = max(following, min(end + 1, num_runs))
         next_dst, next_src = (dst[end], src[end]) if end < num_runs else (d, s)
+        next_size = _sum(sizes, end, after)
         offset = 0
         if streaming:  # ordinary stores up to the first cache line of its own
             offset = min(size, -d % 64)
             if offset:
                 move_tail(d, s, offset)
         whole = offset + (size - offset) // LINE_BYTES * LINE_BYTES
-        ahead = min(offset + PREFETCH_BYTES, whole)
-        # Two loops, not one with a branch per line: numba left the branch in the loop,
-        # and 16 KiB layer-major copies fell from 0.96 to 0.80 of memcpy.
+        # The next run is prefetched a line for each line copied, so the whole of it is
+        # on its way by the time it starts. Two loops, not one with a branch on
+        # ``streaming`` per line: numba left that branch in the loop, and 16 KiB
+        # layer-major copies fell from 0.96 to 0.80 of memcpy.
+        ahead = 0
         if streaming:
-            while offset < ahead:
-                prefetch_read(next_src + offset)
-                prefetch_read(next_src + offset + 64)
-                stream_line(d + offset, s + offset)
-                offset += LINE_BYTES
             while offset < whole:
+                if ahead < next_size:
+                    prefetch_read(next_src + ahead)
+                    prefetch_read(next_src + ahead + 64)
+                    ahead += LINE_BYTES
                 stream_line(d + offset, s + offset)
                 offset += LINE_BYTES
         else:
-            while offset < ahead:
-                prefetch_read(next_src + offset)
-                prefetch_read(next_src + offset + 64)
-                prefetch_write(next_dst + offset)
-                prefetch_write(next_dst + offset + 64)
-                move_line(d + offset, s + offset)
-                offset += LINE_BYTES
             while offset < whole:
+                if ahead < next_size:
+                    prefetch_read(next_src + ahead)
+                    prefetch_read(next_src + ahead + 64)
+                    prefetch_write(next_dst + ahead)
+                    prefetch_write(next_dst + ahead + 64)
+                    ahead += LINE_BYTES
                 move_line(d + offset, s + offset)
                 offset += LINE_BYTES
+        # A run shorter than PREFETCH_BYTES still starts that much of the next one.
+        while ahead < min(next_size, PREFETCH_BYTES):
+            prefetch_read(next_src + ahead)
+            if not streaming:
+                prefetch_write(next_dst + ahead)
+            ahead += 64
         if offset < size:
             move_tail(d + offset, s + offset, size - offset)
         copied += 1
