@@ -120,6 +120,8 @@ def run_step(llm: Any, step: dict[str, Any], done: dict[str, dict[str, Any]]) ->
     if op == "reset":
         ok = llm.reset_prefix_cache()
         return {"reset_ok": bool(ok), "wiped_bytes": engine_tools.wipe_kv_cache(llm)}
+    if op == "settle":
+        return engine_tools.settle_connector(llm)
     if op == "integrity":  # after the write-backs, so nothing is in flight
         settled = engine_tools.settle_connector(llm)
         return {**settled, "integrity": engine_tools.check_connector_integrity(llm)}

@@ -60,6 +60,9 @@ def generate(label: str, prompts: list[list[int]]) -> dict[str, Any]:
 
 
 RESET = {"op": "reset"}
+SETTLE = {"op": "settle"}
+"""Wait until every write of the steps before is in the tiers (stores are asynchronous:
+a step right after another may look up blocks the first is still writing)."""
 
 
 INTEGRITY = {"op": "integrity", "label": "integrity"}

@@ -23,7 +23,7 @@ from hybridkv.tools.models import TinyModel
 from tests.e2e.compare import output_problems
 from tests.e2e.expect import counter, engine_facts, full_hit_tokens, summed
 from tests.e2e.harness import Harness, PlanRun
-from tests.e2e.scenarios import RESET, generate
+from tests.e2e.scenarios import RESET, SETTLE, generate
 from tests.faults.report import record
 
 Action = Callable[[int], dict[str, Any]]
@@ -48,7 +48,8 @@ def await_step(sync_dir: Path, name: str) -> dict[str, Any]:
 
 
 def case_steps(case: str, prompts: list[list[int]], sync_dir: Path) -> list[dict[str, Any]]:
-    """Fault ``case``, serve ``prompts``; recover, serve them twice more."""
+    """Fault ``case``, serve ``prompts``; recover, serve them twice more: the first
+    stores, and once its writes are in the tiers, the second must hit."""
     return [
         await_step(sync_dir, case),
         RESET,
@@ -56,6 +57,7 @@ def case_steps(case: str, prompts: list[list[int]], sync_dir: Path) -> list[dict
         await_step(sync_dir, f"{case}:recover"),
         RESET,
         generate(f"{case}:restore", prompts),
+        SETTLE,
         RESET,
         generate(f"{case}:hit", prompts),
     ]

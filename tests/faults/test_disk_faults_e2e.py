@@ -30,7 +30,7 @@ import pytest
 from hybridkv.tools.models import TinyModelKind, default_prompt_token_ids
 from tests.e2e.expect import describe, engine_facts, full_hit_tokens
 from tests.e2e.harness import Harness, PlanRun
-from tests.e2e.scenarios import RESET, base_prompts, engine, generate
+from tests.e2e.scenarios import RESET, SETTLE, base_prompts, engine, generate
 from tests.faults.engine_faults import Action, CaseFigures, case_steps, judge, run_with_faults
 from tests.faults.report import record
 from tests.support.corrupt import corrupt_files
@@ -224,6 +224,7 @@ class DiskMatrix:
         killed = self.prompts["killed"]
         again = [generate("killed:fault", killed), RESET, generate("killed:restore", killed)]
         again += [
+            SETTLE,
             RESET,
             generate("killed:hit", killed),
             RESET,
@@ -283,7 +284,9 @@ def _assert_case(case: str, figures: CaseFigures) -> None:
     assert figures.outputs_identical, "\n".join(figures.output_problems)
     assert figures.within_load_timeout(LOAD_TIMEOUT_S), figures
     assert figures.counted, f"{case}: the fault was not counted: {figures}"
-    assert figures.hits_resumed, figures
+    assert figures.hits_resumed, (
+        f"hit {figures.hit_tokens} of {figures.expected_hit_tokens}: {figures}"
+    )
 
 
 DONE = {
@@ -313,7 +316,9 @@ def test_engine_killed_mid_write_restarts_clean(matrix: DiskMatrix) -> None:
     figures = judge(run, "D2", "killed", matrix.reference("killed"), matrix.model)
     assert figures.outputs_identical, "\n".join(figures.output_problems)
     assert figures.within_load_timeout(LOAD_TIMEOUT_S), figures
-    assert figures.hits_resumed, figures
+    assert figures.hits_resumed, (
+        f"hit {figures.hit_tokens} of {figures.expected_hit_tokens}: {figures}"
+    )
     base = run.step("D2", "base")  # stored before the kill: still there
     assert base["num_cached_tokens"] == [
         full_hit_tokens(n, engine_facts(run, "D2")) for n in base["num_prompt_tokens"]

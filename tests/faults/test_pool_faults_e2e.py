@@ -193,7 +193,9 @@ def test_pool_fault_under_a_running_engine(
     assert figures.outputs_identical, "\n".join(figures.output_problems)
     assert figures.within_load_timeout(LOAD_TIMEOUT_S), figures
     assert figures.counted, f"{case}: the fault was not counted: {figures}"
-    assert figures.hits_resumed, figures
+    assert figures.hits_resumed, (
+        f"hit {figures.hit_tokens} of {figures.expected_hit_tokens}: {figures}"
+    )
     assert run.step(engine_label, f"{case}:integrity")["integrity"] == "ok"
     done = _action_done(run, engine_label, case)
     done |= _action_done(run, engine_label, f"{case}:recover")
