@@ -109,7 +109,9 @@ def add_foreign_files(kv_dir: Path) -> Action:
     def act(pid: int) -> dict[str, Any]:
         (kv_dir / "foreign.seg").write_bytes(os.urandom(SEGMENT_BYTES))
         (kv_dir / "notes.txt").write_text("not a segment\n")
-        (kv_dir / "0000000000000099.seg").write_bytes(b"\0" * 8192)
+        # Named like a segment, under a number the tier never reaches: writing it under a
+        # live segment's name would rewrite that segment's file (the same inode) instead.
+        (kv_dir / "7fffffffffffff99.seg").write_bytes(b"\0" * 8192)
         (kv_dir / "subdir").mkdir()
         return {"added": 4}
 
