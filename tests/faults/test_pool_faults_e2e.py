@@ -16,6 +16,7 @@ A pool too small for its prompts is ``tests/e2e/test_pool_full_e2e.py``'s case.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +25,7 @@ import pytest
 
 os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
 
+from hybridkv.tools import pool_probe
 from hybridkv.tools.models import TinyModelKind
 from hybridkv.tools.pool import LocalPool
 from hybridkv.tools.servers import ServerRole
@@ -65,6 +67,19 @@ def _pool_capacity(pool: LocalPool) -> int:
     return int(pool.status()["pool"]["total_capacity_bytes"] or 0)
 
 
+def _takes_stores(pool: LocalPool) -> bool:
+    """Whether a client of its own stores and reads back a few objects in the pool.
+
+    Measured here: a restarted daemon's memory listed by the master, puts were still
+    refused for a while (no room, -200), and the engine's stores of that time dropped.
+    """
+    try:
+        pool_probe.time_reads(pool.master_address, num_reads=1, timeout_s=30)
+    except (RuntimeError, subprocess.TimeoutExpired):
+        return False
+    return True
+
+
 def kill(pool: LocalPool, role: ServerRole) -> Action:
     return lambda pid: {"killed": role.value, "kill_s": timed(lambda: pool.kill(role))[1]}
 
@@ -76,6 +91,8 @@ def restart(pool: LocalPool, role: ServerRole) -> Action:
         done = {"restarted": role.value, "restart_s": timed(lambda: pool.restart(role))[1]}
         if role is not ServerRole.VALKEY:  # recovered once the daemon's memory is listed
             done["listed_again_s"] = wait_for(lambda: _pool_capacity(pool) > 0, timeout_s=30)
+        if role is ServerRole.DAEMON:  # and takes stores: listed, it may still refuse them
+            done["stores_again_s"] = wait_for(lambda: _takes_stores(pool), timeout_s=60)
         return done
 
     return act

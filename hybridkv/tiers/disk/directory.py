@@ -391,19 +391,6 @@ class SegmentDirectory:
             os.close(segment.fd)
             segment.fd = -1
 
-    def _describe_files(self, seqs: set[int]) -> dict[int, str]:
-        """What each segment file's header says (for an integrity failure's message)."""
-        described = {}
-        for seq in sorted(seqs):
-            path = str(self.root / segments.segment_name(seq))
-            opened = segments.open_segment_file(path, seq, writable=False)
-            if isinstance(opened, str):
-                described[seq] = opened
-            else:
-                os.close(opened[0])
-                described[seq] = repr(opened[1])
-        return described
-
     def check_files(self) -> None:
         """Segment files on disk vs the table (under the lock). A put may be
         preparing segments right now; those and the files they take over are
@@ -421,7 +408,7 @@ class SegmentDirectory:
         known = {s.seq: s.size for s in now if s not in opening and not s.failed}
         assert on_disk == known, (
             f"segment files {on_disk} != segments {known}; files of no segment: "
-            f"{self._describe_files(set(on_disk) - set(known))}"
+            f"{segments.describe_files(str(self.root), set(on_disk) - set(known))}"
         )
         temps = [name for name in names if name.startswith(TEMP_PREFIX)]
         assert len(temps) <= len(opening), f"leaked temp files {temps}"

@@ -159,6 +159,20 @@ def open_segment_file(path: str, seq: int, *, writable: bool) -> tuple[int, Segm
     return fd, header
 
 
+def describe_files(root: str, seqs: set[int]) -> dict[int, str]:
+    """What the header of each segment file ``seqs`` under ``root`` says (for the
+    message of an integrity failure)."""
+    described = {}
+    for seq in sorted(seqs):
+        opened = open_segment_file(f"{root}/{segment_name(seq)}", seq, writable=False)
+        if isinstance(opened, str):
+            described[seq] = opened
+        else:
+            os.close(opened[0])
+            described[seq] = repr(opened[1])
+    return described
+
+
 class RootListing(NamedTuple):
     segments: dict[int, str]
     """seq -> path of every file named like a segment."""
