@@ -17,6 +17,7 @@ MAX_MODULE_LINES = 420
 LAYERS: dict[str, int] = {
     "hybridkv.paths": 0,
     "hybridkv.schema": 0,
+    "hybridkv.native": 0,
     "hybridkv.tiers": 1,
     "hybridkv.spec": 2,
     "hybridkv.keys": 3,

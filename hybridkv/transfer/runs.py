@@ -46,7 +46,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
-from hybridkv.transfer.native import (
+from hybridkv.native import (
     LINE_BYTES,
     XXH3_ADDRESS,
     call_hash,

@@ -1,21 +1,25 @@
 """Reading stored objects back: slots checked, payloads read and verified.
 
 Runs wherever a disk tier serves gets (the writer, and read-only followers).
-A run of objects in consecutive slots costs one ``pread`` for the slots and
-one ``preadv`` per stretch of payloads that follow one another on disk
-(up to ``STRETCH_BYTES``), each verified right after its read.
+A run of objects in consecutive slots costs one ``pread`` for the slots, a
+check of each slot in Python, and one native call (``preads.read_hashed``)
+that reads every payload and hashes it right after its read, while it is
+still in the CPU's cache (checking a whole batch after reading it all reads
+every byte from memory twice), without the GIL.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from hybridkv.tiers import codec
-from hybridkv.tiers.base import Buffer, StoreKey
+from hybridkv.tiers.base import Buffer, StoreKey, buffer_address
 from hybridkv.tiers.codec import HeaderError
+from hybridkv.tiers.disk import preads
 from hybridkv.tiers.disk.files import io_all
 from hybridkv.tiers.disk.segments import (
     GONE,
@@ -23,16 +27,10 @@ from hybridkv.tiers.disk.segments import (
     SegmentHeader,
     Slot,
     SlotState,
-    align_up,
     parse_slot,
     read_segment_header,
     slot_offset,
 )
-
-STRETCH_BYTES = 1 << 20
-"""Payload bytes read by one ``preadv`` at most: each stretch is verified right
-after its read, while it is still in the CPU's cache (checking a whole batch
-after reading it all reads every byte from memory twice)."""
 
 
 class Wanted(NamedTuple):
@@ -48,9 +46,7 @@ def read_run(
     fd: int, header: SegmentHeader, run: Sequence[Wanted], *, reader: bool
 ) -> list[HeaderError | str | None]:
     """Read and verify the objects of consecutive slots: per object None, ``GONE`` or
-    what is wrong. Their slots come in one ``pread`` and the payloads that follow one
-    another on disk in one ``preadv`` (per-object calls cost more than the copy of a
-    few hundred KiB from the page cache).
+    what is wrong. Their slots come in one ``pread``, the payloads in one native call.
 
     ``reader``: a read-only instance, whose writer may have taken the file over since
     it was indexed; the writer's own files change only by its hand.
@@ -64,14 +60,19 @@ def read_run(
         outcomes.append(None if isinstance(slot, Slot) else slot)
         checksums.append(slot.checksum if isinstance(slot, Slot) else 0)
     todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
-    for stretch in stretches(run, todo):
-        if not io_all(os.preadv, fd, _with_gaps([run[i] for i in stretch]), run[stretch[0]].offset):
-            for i in stretch:  # which object the file ends in: one at a time
-                if not io_all(os.preadv, fd, [run[i].out.data], run[i].offset):
-                    outcomes[i] = HeaderError.TRUNCATED
-        for i in stretch:  # while the bytes are still in cache
-            if outcomes[i] is None and codec.checksum(run[i].out) != checksums[i]:
-                outcomes[i] = HeaderError.BAD_CHECKSUM
+    offsets = np.fromiter((run[i].offset for i in todo), np.int64, len(todo))
+    lengths = np.fromiter((len(run[i].out) for i in todo), np.int64, len(todo))
+    addresses = np.fromiter((buffer_address(run[i].out) for i in todo), np.int64, len(todo))
+    got, hashes = preads.read_hashed(fd, offsets, lengths, addresses)
+    for i, num_bytes, value in zip(todo, got.tolist(), hashes.tolist(), strict=True):
+        wanted = run[i]
+        # An error: read again from Python, which raises what went wrong.
+        if num_bytes < 0 and io_all(os.preadv, fd, [wanted.out.data], wanted.offset):
+            value, num_bytes = codec.checksum(wanted.out), len(wanted.out)
+        if num_bytes < len(wanted.out):
+            outcomes[i] = HeaderError.TRUNCATED
+        elif value != checksums[i]:
+            outcomes[i] = HeaderError.BAD_CHECKSUM
     return outcomes
 
 
@@ -97,38 +98,6 @@ def _checked_slot(
     if slot.length != len(wanted.out):
         return HeaderError.WRONG_LENGTH
     return slot
-
-
-def stretches(run: Sequence[Wanted], picked: list[int]) -> list[list[int]]:
-    """``picked`` objects of the run grouped where each starts at the page after the
-    previous one ends, a stretch closed once it holds ``STRETCH_BYTES``."""
-    grouped: list[list[int]] = []
-    num_bytes = 0
-    for i in picked:
-        last = run[grouped[-1][-1]] if grouped else None
-        if (
-            last is not None
-            and num_bytes < STRETCH_BYTES
-            and run[i].offset == align_up(last.offset + len(last.out))
-        ):
-            grouped[-1].append(i)
-        else:
-            grouped.append([i])
-            num_bytes = 0
-        num_bytes += len(run[i].out)
-    return grouped
-
-
-def _with_gaps(stretch: Sequence[Wanted]) -> list[memoryview]:
-    """The stretch's buffers, with scratch for the padding up to each next page."""
-    views: list[memoryview] = []
-    for previous, wanted in itertools.pairwise(stretch):
-        views.append(previous.out.data)
-        gap = wanted.offset - previous.offset - len(previous.out)
-        if gap:
-            views.append(memoryview(bytearray(gap)))
-    views.append(stretch[-1].out.data)
-    return views
 
 
 def read_object(

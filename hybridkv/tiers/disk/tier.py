@@ -34,7 +34,7 @@ from hybridkv.tiers.base import (
     check_batch,
 )
 from hybridkv.tiers.codec import HeaderError, key_digest
-from hybridkv.tiers.disk import reads, segments
+from hybridkv.tiers.disk import preads, reads, segments
 from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
 from hybridkv.tiers.disk.directory import ScanReport, SegmentDirectory
 from hybridkv.tiers.disk.files import (
@@ -101,6 +101,7 @@ class DiskTier(Tier):
             self._closed = True
             self._dir.close_files()
             raise
+        preads.warm_up()  # compiled (or loaded) now, not on the first get
         self._pool = (
             ThreadPoolExecutor(self._num_io_threads, thread_name_prefix=f"hybridkv-{name}")
             if self._num_io_threads > 1

@@ -16,13 +16,12 @@ engine reuses no staging until then.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import ctypes
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey
+from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, buffer_address
 from hybridkv.tiers.codec import HEADER_BYTES, HeaderError, verify_object, write_header_into
 from hybridkv.tiers.mooncake.accounting import MooncakeAccounting
 from hybridkv.tiers.mooncake.client import MooncakeClient
@@ -72,15 +71,6 @@ def split(indices: list[int], framed: Sequence[Buffer]) -> list[list[int]]:
     return [chunk for chunk in chunks if chunk] or [[]]
 
 
-def address(buffer: Buffer) -> int:
-    """The address of ``buffer``'s first byte: a quarter of ``ctypes.data``'s ~2 us for a
-    writable buffer (as staging is), which it is read once a block, on every call."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buffer.data))
-    except (TypeError, ValueError):  # read-only, or empty
-        return int(buffer.ctypes.data)
-
-
 class StagedPath:
     """Puts and gets of buffers in registered staging. Thread-safe."""
 
@@ -105,7 +95,7 @@ class StagedPath:
     def framed(self, buffers: Sequence[Buffer]) -> Framed | None:
         """Each buffer with its header room in front, as one slice of registered
         staging, and the slices' addresses; None unless every buffer lies in it.
-        Each buffer's address is read once, through ``address``."""
+        Each buffer's address is read once, through ``buffer_address``."""
         with self._lock:
             regions = list(self._regions)
         if not regions:
@@ -114,7 +104,7 @@ class StagedPath:
         addresses: list[int] = []
         low, high, staging = regions[0]
         for buffer in buffers:
-            start = address(buffer) - HEADER_BYTES
+            start = buffer_address(buffer) - HEADER_BYTES
             end = start + HEADER_BYTES + buffer.nbytes
             if not low <= start < end <= high:  # blocks of one batch mostly share a region
                 found = [r for r in regions if r[0] <= start < end <= r[1]]

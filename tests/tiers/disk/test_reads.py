@@ -8,13 +8,10 @@ import random
 from pathlib import Path
 
 import numpy as np
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import key_digest
-from hybridkv.tiers.disk import reads, segments
-from hybridkv.tiers.disk.segments import align_up
+from hybridkv.tiers.disk import segments
 from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
 from tests.support.corrupt import flip_payload_byte
 
@@ -52,29 +49,3 @@ def test_a_batch_read_in_runs_returns_every_object_and_flags_only_the_damaged(
     assert {statuses[i] for i in damaged} == {GetStatus.CORRUPT}
     tier.check_integrity()
     tier.close()
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 600_000), st.booleans()), max_size=30), st.data())
-def test_stretches_are_adjacent_objects_of_at_most_stretch_bytes_each(
-    objects: list[tuple[int, bool]], data: st.DataObject
-) -> None:
-    """Each stretch is read by one call and verified right after it, so it must be
-    objects that follow one another on disk, closed once it holds STRETCH_BYTES."""
-    run, offset = [], 4096
-    for size, gap in objects:
-        run.append(reads.Wanted(len(run), offset, StoreKey("k"), np.zeros(size, np.uint8)))
-        offset = align_up(offset + size) + (4096 if gap else 0)
-    picked = sorted(data.draw(st.sets(st.sampled_from(range(len(run)))) if run else st.just(set())))
-
-    expected: list[list[int]] = []
-    for i in picked:  # reference: extend the last stretch while allowed
-        if expected:
-            last = run[expected[-1][-1]]
-            held = sum(len(run[j].out) for j in expected[-1])
-            follows = run[i].offset == align_up(last.offset + len(last.out))
-            if held < reads.STRETCH_BYTES and follows:
-                expected[-1].append(i)
-                continue
-        expected.append([i])
-    assert reads.stretches(run, picked) == expected

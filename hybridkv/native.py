@@ -1,9 +1,10 @@
 """LLVM intrinsics the native copies are built from, and what they call.
 
 Worker process, any thread. Each intrinsic inlines into the numba-compiled
-loops of ``runs``: fixed-size vector moves (cached or streaming), a tail
-move, prefetches, a store fence, and a call of the xxhash package's own
-compiled XXH3 through its exported symbol.
+loops of ``hybridkv.transfer.runs`` and ``hybridkv.tiers.disk.preads``: fixed-size vector moves
+(cached or streaming), a tail move, prefetches, a store fence, a call of the
+xxhash package's own compiled XXH3 through its exported symbol, and one of
+the C library's ``pread``.
 
 Importing this module also wraps llvmlite's ``binding.ffi.lib`` (see
 ``_LibWithDict``), so import it before numba compiles anything.
@@ -71,6 +72,10 @@ def _find_xxh3() -> int:
 
 XXH3_ADDRESS = _find_xxh3()
 
+_libc_pread = ctypes.CDLL(None, use_errno=True).pread
+PREAD_ADDRESS = int(ctypes.cast(_libc_pread, ctypes.c_void_p).value or 0)
+"""The C library's ``pread``, for reads that run without the GIL (``call_pread``)."""
+
 
 @intrinsic  # type: ignore[untyped-decorator]
 def move_line(typingctx: Any, dst: Any, src: Any) -> Any:
@@ -132,6 +137,24 @@ def call_hash(typingctx: Any, function: Any, address: Any, nbytes: Any) -> Any:
         return builder.call(fn, [builder.inttoptr(args[1], bytes_ptr), args[2]])
 
     return types.uint64(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic  # type: ignore[untyped-decorator]
+def call_pread(
+    typingctx: Any, function: Any, fd: Any, address: Any, nbytes: Any, offset: Any
+) -> Any:
+    """``pread(fd, address, nbytes, offset)`` through the function pointer ``function``:
+    the bytes read, 0 at the end of the file, negative on an error."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bytes_ptr = ir.IntType(8).as_pointer()
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        fn_type = ir.FunctionType(i64, [i32, bytes_ptr, i64, i64])
+        fn = builder.inttoptr(args[0], fn_type.as_pointer())
+        fd_arg = builder.trunc(args[1], i32)
+        return builder.call(fn, [fd_arg, builder.inttoptr(args[2], bytes_ptr), args[3], args[4]])
+
+    return types.int64(types.int64, types.int64, types.int64, types.int64, types.int64), codegen
 
 
 prefetch_read = _prefetch_intrinsic(0)
