@@ -1,10 +1,10 @@
 """LLVM intrinsics the native copies are built from, and what they call.
 
 Worker process, any thread. Each intrinsic inlines into the numba-compiled
-loops of ``hybridkv.transfer.runs`` and ``hybridkv.tiers.disk.preads``: fixed-size vector moves
-(cached or streaming), a tail move, prefetches, a store fence, a call of the
-xxhash package's own compiled XXH3 through its exported symbol, and one of
-the C library's ``pread``.
+loops of ``hybridkv.transfer.runs`` and ``hybridkv.tiers.disk.preads``:
+fixed-size vector moves (cached or streaming), a tail move, prefetches, a
+store fence, a call of the xxhash package's own compiled XXH3 through its
+exported symbol, and one of the C library's ``pread``.
 
 Importing this module also wraps llvmlite's ``binding.ffi.lib`` (see
 ``_LibWithDict``), so import it before numba compiles anything.
