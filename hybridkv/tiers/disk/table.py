@@ -278,14 +278,25 @@ def split(
     return parts
 
 
-def read_parts(found: list[tuple[int, Entry]], num_parts: int) -> list[list[tuple[int, Entry]]]:
-    """(item, entry) pairs of a get grouped into runs of consecutive slots of one
-    segment, each cut into up to ``num_parts`` parts of similar bytes."""
-    grouped: list[list[tuple[int, Entry]]] = []
-    for item, entry in sorted(found, key=lambda pair: (pair[1].segment.seq, pair[1].slot)):
-        last = grouped[-1][-1][1] if grouped else None
+def read_tasks(
+    found: list[tuple[int, Entry]], num_tasks: int
+) -> list[list[list[tuple[int, Entry]]]]:
+    """(item, entry) pairs of a get cut into up to ``num_tasks`` tasks of similar bytes,
+    one per I/O thread; a task is a list of runs of consecutive slots of one segment
+    (a run cut where one task ends goes on in the next). One task per thread, not one
+    per run: with a task per run, a run of two objects at a segment's end was a task
+    of its own, and one thread often read both big ones after it."""
+    ordered = sorted(found, key=lambda pair: (pair[1].segment.seq, pair[1].slot))
+    total = sum(entry.length for _, entry in ordered)
+    num_tasks = max(1, min(num_tasks, len(ordered), total // MIN_PART_BYTES))
+    tasks: list[list[list[tuple[int, Entry]]]] = [[] for _ in range(num_tasks)]
+    before = 0
+    for item, entry in ordered:
+        task = tasks[before * num_tasks // total] if total else tasks[0]
+        last = task[-1][-1][1] if task else None
         if last is not None and last.segment is entry.segment and last.slot + 1 == entry.slot:
-            grouped[-1].append((item, entry))
+            task[-1].append((item, entry))
         else:
-            grouped.append([(item, entry)])
-    return [part for run in grouped for part in split(run, num_parts, lambda p: p[1].length)]
+            task.append([(item, entry)])
+        before += entry.length
+    return [task for task in tasks if task]

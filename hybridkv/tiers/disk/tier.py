@@ -54,7 +54,7 @@ from hybridkv.tiers.disk.table import (
     Reservation,
     Segment,
     SegmentTable,
-    read_parts,
+    read_tasks,
     runs,
     split,
 )
@@ -64,8 +64,6 @@ __all__ = ["DiskConfig", "DiskTier", "DiskTierInUse", "FsyncPolicy", "ScanReport
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_ReadOutcome = HeaderError | OSError | str | None
 
 
 class DiskTier(Tier):
@@ -216,8 +214,11 @@ class DiskTier(Tier):
         self._dir.drop_if_lost(segment)
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
+        """Slots are checked and checksums compared on the calling thread; only the
+        native reads of the payloads go to the I/O threads (see ``disk.reads``)."""
         check_batch(keys, buffers)
-        digests = [key_digest(key).hex() for key in keys]
+        raw_digests = [key_digest(key) for key in keys]
+        digests = [digest.hex() for digest in raw_digests]
         with self._lock:
             self._check_open()
             index = self._table.index
@@ -227,9 +228,15 @@ class DiskTier(Tier):
             todo = [(j, entry) for j, entry in enumerate(found) if entry is not None]
             for _, entry in todo:
                 entry.segment.readers += 1
-        parts = read_parts(todo, self._num_io_threads)
-        read = self._map(lambda i: self._read(parts[i], keys, buffers), len(parts))
-        outcome_of = {j: out for part, outs in zip(parts, read, strict=True) for j, out in outs}
+        tasks = read_tasks(todo, self._num_io_threads)
+        checked = [[self._check(run, raw_digests, buffers) for run in task] for task in tasks]
+        payloads = self._map(lambda i: [reads.read_payloads(c) for c in checked[i]], len(tasks))
+        outcome_of = {
+            j: outcome
+            for task, runs_checked, runs_read in zip(tasks, checked, payloads, strict=True)
+            for run, run_checked, read in zip(task, runs_checked, runs_read, strict=True)
+            for (j, _), outcome in zip(run, reads.verify_run(run_checked, read), strict=True)
+        }
         results = [GetStatus.MISS] * len(keys)
         touched: set[Segment] = set()
         with self._lock:
@@ -247,23 +254,21 @@ class DiskTier(Tier):
                         self._dir.touch(segment)
         return results
 
-    def _read(
-        self, part: list[tuple[int, Entry]], keys: Sequence[StoreKey], buffers: Sequence[Buffer]
-    ) -> list[tuple[int, _ReadOutcome]]:
-        """Read one part (objects of consecutive slots of one segment): (item, outcome)."""
-        segment = part[0][1].segment
-        items = [j for j, _ in part]
+    def _check(
+        self, run: list[tuple[int, Entry]], digests: Sequence[bytes], buffers: Sequence[Buffer]
+    ) -> reads.CheckedRun:
+        """Check the slots of one run (objects of consecutive slots of one segment)."""
+        segment = run[0][1].segment
+        wanted = [reads.Wanted(e.slot, e.offset, digests[j], buffers[j]) for j, e in run]
         try:
             if self._dir.removed(segment):
-                return [(j, segments.GONE) for j in items]
-            wanted = [reads.Wanted(e.slot, e.offset, keys[j], buffers[j]) for j, e in part]
-            outcomes = reads.read_run(segment.fd, segment.header, wanted, reader=self.read_only)
+                return reads.CheckedRun.failed(wanted, segments.GONE)
+            return reads.check_run(segment.fd, segment.header, wanted, reader=self.read_only)
         except OSError as exc:
-            return [(j, exc) for j in items]
-        return list(zip(items, outcomes, strict=True))
+            return reads.CheckedRun.failed(wanted, exc)
 
     def _finish_get(
-        self, digest: str, entry: Entry, key: StoreKey, num_bytes: int, outcome: _ReadOutcome
+        self, digest: str, entry: Entry, key: StoreKey, num_bytes: int, outcome: reads.Outcome
     ) -> GetStatus:
         if outcome is None:
             self._stats.gets += 1

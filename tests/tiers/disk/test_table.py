@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from hybridkv.tiers.disk.segments import PAGE, Geometry
-from hybridkv.tiers.disk.table import FileWork, Reservation, SegmentTable, runs, split
+from hybridkv.tiers.disk.table import (
+    Entry,
+    FileWork,
+    Reservation,
+    SegmentTable,
+    read_tasks,
+    runs,
+    split,
+)
 
 SEGMENT = Geometry.standard(2 * PAGE + 2 * 8192)  # two 8 KiB objects per segment
 
@@ -103,3 +111,33 @@ def test_runs_follow_consecutive_slots_and_split_by_bytes() -> None:
     parts = split(run, 4)
     assert [len(p) for p in parts] == [2, 2, 2, 2]
     assert split(run[:1], 4) == [run[:1]]
+
+
+def test_a_get_is_cut_into_one_task_per_thread_of_similar_bytes() -> None:
+    big = Geometry.standard(64 << 20)
+    t = SegmentTable("/nowhere", 3 * big.size, big)
+    work = FileWork()
+    # 70 objects of 1 MiB: two segments' worth (63 and 7), so two runs of slots.
+    reserved = [t.reserve(i, f"k{i}", 1 << 20, work) for i in range(70)]
+    open_all(work)
+    assert all(isinstance(r, Reservation) for r in reserved)
+    entries = {r.item: Entry(r.segment, r.slot, r.offset, r.length) for r in reserved}  # type: ignore[union-attr]
+    assert len({e.segment.seq for e in entries.values()}) == 2
+    found = [(item, entries[item]) for item in reversed(range(70)) if item != 30]  # a hole
+
+    tasks = read_tasks(found, 2)
+    assert len(tasks) == 2
+    items = [[j for run in task for j, _ in run] for task in tasks]
+    assert sorted(items[0] + items[1]) == sorted(j for j, _ in found)  # each item once
+    assert [len(i) for i in items] == [35, 34]  # of similar bytes, not a task per run
+    for task in tasks:
+        for run in task:  # runs: consecutive slots of one segment
+            assert all(e.segment is run[0][1].segment for _, e in run)
+            assert [e.slot for _, e in run] == list(
+                range(run[0][1].slot, run[0][1].slot + len(run))
+            )
+    # The hole at 30 and the second segment each start a run.
+    assert [[run[0][0] for run in task] for task in tasks] == [[0, 31], [36, 63]]
+    assert len(read_tasks(found[:1], 2)) == 1  # never more tasks than objects
+    assert len(read_tasks(found, 1)) == 1
+    assert read_tasks([], 2) == []
