@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from hybridkv.tiers.disk.directory import REFRESH_EVERY_S
 from hybridkv.tools.models import TinyModelKind, default_prompt_token_ids
 from tests.e2e.expect import describe, engine_facts, full_hit_tokens
 from tests.e2e.harness import Harness, PlanRun
@@ -105,6 +106,9 @@ def delete(kv_dir: Path) -> Action:
     return act
 
 
+FOREIGN_FILES = ("foreign.seg", "notes.txt", "7fffffffffffff99.seg")
+
+
 def add_foreign_files(kv_dir: Path) -> Action:
     def act(pid: int) -> dict[str, Any]:
         (kv_dir / "foreign.seg").write_bytes(os.urandom(SEGMENT_BYTES))
@@ -113,7 +117,20 @@ def add_foreign_files(kv_dir: Path) -> Action:
         # live segment's name would rewrite that segment's file (the same inode) instead.
         (kv_dir / "7fffffffffffff99.seg").write_bytes(b"\0" * 8192)
         (kv_dir / "subdir").mkdir()
+        # The writer sweeps on a put, at most every REFRESH_EVERY_S: once that long has
+        # passed, the fault step's first put sweeps. Without the wait, a sweep just
+        # before the files came let them stay until a later case's (read-only) sweep.
+        time.sleep(REFRESH_EVERY_S)
         return {"added": 4}
+
+    return act
+
+
+def foreign_files_left(kv_dir: Path) -> Action:
+    """After the fault step: which planted files the writer left in its directory."""
+
+    def act(pid: int) -> dict[str, Any]:
+        return {"left": sorted(name for name in FOREIGN_FILES if (kv_dir / name).exists())}
 
     return act
 
@@ -243,6 +260,7 @@ class DiskMatrix:
             "truncated": truncate(kv),
             "deleted": delete(kv),
             "foreign files": add_foreign_files(kv),
+            "foreign files:recover": foreign_files_left(kv),
             "read-only": bind_read_only(kv),
             "read-only:recover": unmount(kv),
             "disk full": fill(mount_point),
@@ -275,6 +293,9 @@ def test_disk_fault_under_a_running_engine(case: str, matrix: DiskMatrix) -> Non
     figures = judge(run, "D", case, matrix.reference(case), matrix.model)
     _assert_case(case, figures)
     done = _action_done(run, case)
+    if case == "foreign files":  # moved out by the fault step's first put, each counted
+        assert run.step("D", "await-foreign files:recover")["test"]["left"] == []
+        assert figures.counted.get("tier_corrupt_objects", 0) >= len(FOREIGN_FILES), figures
     figures.record(
         f"disk (engine): {case}",
         done=f"{DONE[case]}; {done}",
