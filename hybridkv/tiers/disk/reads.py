@@ -3,25 +3,26 @@
 Runs wherever a disk tier serves gets (the writer, and read-only followers).
 A get goes in three steps per run of objects in consecutive slots:
 
-* ``check_run``: one ``pread`` for the slots and a check of each in Python;
-* ``read_payloads``: one native call (``preads.read_hashed``) that reads
-  every payload and hashes it right after its read, while it is still in
-  the CPU's cache (checking a whole batch after reading it all reads every
-  byte from memory twice), without the GIL;
-* ``verify_run``: each checksum compared with its slot's.
+* ``plan_run``: the arrays the native read takes (no I/O);
+* ``read_planned``: one native call (``preads.read_run``) that reads the
+  run's slots, checks each against the index, reads each payload whose
+  slot holds and compares its hash, taken right after its read while it is
+  in the CPU's cache, with the slot's checksum; without the GIL;
+* ``verify_run``: the outcome per object. Where the native call found all
+  well, nothing more; anything else is decided here, in Python, from the
+  slot bytes it read: whether the slot was freed, the file taken over by a
+  later life, or what is wrong.
 
-The tier runs the first and last steps of every run on the calling thread
-and only the native reads on its I/O threads: Python work there would wait
-for the GIL that the other threads' Python work holds, and the reads of two
-runs then took turns instead of overlapping (two I/O threads got no more
-than one).
+The tier runs the first and last steps on the calling thread and only the
+native reads on its I/O threads: Python work there waits for the GIL that
+the other threads' Python work holds, and the reads of two runs then took
+turns instead of overlapping (two I/O threads got no more than one).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -31,7 +32,6 @@ from hybridkv.tiers.base import Buffer, buffer_address
 from hybridkv.tiers.codec import HeaderError
 from hybridkv.tiers.disk import preads
 from hybridkv.tiers.disk.files import io_all
-from hybridkv.tiers.disk.preads import ReadHashed
 from hybridkv.tiers.disk.segments import (
     GONE,
     SLOT_BYTES,
@@ -57,83 +57,89 @@ class Wanted(NamedTuple):
     out: Buffer
 
 
-_NONE = np.zeros(0, np.int64)
-
-
-@dataclass
-class CheckedRun:
-    """A run whose slots were checked: an outcome per object, where None means "to
-    read", and what the native read needs for those."""
+class PlannedRun(NamedTuple):
+    """A run of objects in consecutive slots of one segment file, ready to read."""
 
     fd: int
+    header: SegmentHeader
     wanted: Sequence[Wanted]
-    outcomes: list[Outcome]
-    checksums: list[int] = field(default_factory=list)
-    todo: list[int] = field(default_factory=list)
-    offsets: np.ndarray = field(default_factory=lambda: _NONE)
-    lengths: np.ndarray = field(default_factory=lambda: _NONE)
-    addresses: np.ndarray = field(default_factory=lambda: _NONE)
-
-    @classmethod
-    def failed(cls, run: Sequence[Wanted], outcome: Outcome) -> CheckedRun:
-        """A run with nothing to read: every object has ``outcome``."""
-        assert outcome is not None
-        return cls(-1, run, [outcome] * len(run))
+    offsets: np.ndarray
+    lengths: np.ndarray
+    addresses: np.ndarray
+    digests: bytes
 
 
-def check_run(fd: int, header: SegmentHeader, run: Sequence[Wanted], *, reader: bool) -> CheckedRun:
-    """Check the slots of objects in consecutive slots, with one ``pread``.
+def plan_run(fd: int, header: SegmentHeader, run: Sequence[Wanted]) -> PlannedRun:
+    assert all(w.slot == run[0].slot + i for i, w in enumerate(run)), "slots not consecutive"
+    count = len(run)
+    return PlannedRun(
+        fd,
+        header,
+        run,
+        offsets=np.fromiter((w.offset for w in run), np.int64, count),
+        lengths=np.fromiter((len(w.out) for w in run), np.int64, count),
+        addresses=np.fromiter((buffer_address(w.out) for w in run), np.int64, count),
+        digests=b"".join(w.digest for w in run),
+    )
+
+
+def read_planned(planned: PlannedRun) -> preads.RunRead:
+    """Check the run's slots and read what they hold (native, without the GIL)."""
+    first = slot_offset(planned.wanted[0].slot) if planned.wanted else 0
+    return preads.read_run(
+        planned.fd,
+        planned.header,
+        first,
+        planned.offsets,
+        planned.lengths,
+        planned.digests,
+        planned.addresses,
+    )
+
+
+def verify_run(planned: PlannedRun, read: preads.RunRead, *, reader: bool) -> list[Outcome]:
+    """Per object of the run: None when its slot holds what was indexed and its payload
+    was read whole and matches the slot's checksum, else what went wrong.
 
     ``reader``: a read-only instance, whose writer may have taken the file over since
     it was indexed; the writer's own files change only by its hand.
     """
-    assert all(w.slot == run[0].slot + i for i, w in enumerate(run)), "slots not consecutive"
-    raw = os.pread(fd, len(run) * SLOT_BYTES, slot_offset(run[0].slot))
+    status = read.status
+    if not status.any():  # all OK
+        return [None] * len(status)
+    if read.slots is None:  # reading the slots failed: from Python, which raises
+        try:
+            os.pread(planned.fd, len(status) * SLOT_BYTES, slot_offset(planned.wanted[0].slot))
+        except OSError as exc:
+            return [exc] * len(status)
+        read = read._replace(slots=b"")  # it worked this time: the objects count as changed
+    assert read.slots is not None
     outcomes: list[Outcome] = []
-    checksums: list[int] = []
-    for i, wanted in enumerate(run):
-        slot = _checked_slot(fd, header, raw[i * SLOT_BYTES : (i + 1) * SLOT_BYTES], wanted, reader)
-        outcomes.append(None if isinstance(slot, Slot) else slot)
-        checksums.append(slot.checksum if isinstance(slot, Slot) else 0)
-    todo = [i for i, outcome in enumerate(outcomes) if outcome is None]
-    return CheckedRun(
-        fd,
-        run,
-        outcomes,
-        checksums,
-        todo,
-        offsets=np.fromiter((run[i].offset for i in todo), np.int64, len(todo)),
-        lengths=np.fromiter((len(run[i].out) for i in todo), np.int64, len(todo)),
-        addresses=np.fromiter((buffer_address(run[i].out) for i in todo), np.int64, len(todo)),
-    )
-
-
-def read_payloads(checked: CheckedRun) -> ReadHashed:
-    """Read and hash the payloads ``check_run`` left to read (native, without the GIL)."""
-    return preads.read_hashed(checked.fd, checked.offsets, checked.lengths, checked.addresses)
-
-
-def verify_run(checked: CheckedRun, read: ReadHashed) -> list[Outcome]:
-    """Per object of the run: None when its payload was read whole and matches its
-    slot's checksum, else what went wrong."""
-    outcomes = list(checked.outcomes)
-    for i, num_bytes, value in zip(
-        checked.todo, read.got.tolist(), read.hashes.tolist(), strict=True
-    ):
-        wanted = checked.wanted[i]
-        # An error: read again from Python, which raises what went wrong.
-        if num_bytes < 0:
-            try:
-                if io_all(os.preadv, checked.fd, [wanted.out.data], wanted.offset):
-                    value, num_bytes = codec.checksum(wanted.out), len(wanted.out)
-            except OSError as exc:
-                outcomes[i] = exc
-                continue
-        if num_bytes < len(wanted.out):
-            outcomes[i] = HeaderError.TRUNCATED
-        elif value != checked.checksums[i]:
-            outcomes[i] = HeaderError.BAD_CHECKSUM
+    for i, (wanted, code) in enumerate(zip(planned.wanted, status.tolist(), strict=True)):
+        if code == preads.OK:
+            outcomes.append(None)
+            continue
+        raw = read.slots[i * SLOT_BYTES : (i + 1) * SLOT_BYTES]
+        slot = _checked_slot(planned.fd, planned.header, raw, wanted, reader)
+        if not isinstance(slot, Slot):
+            outcomes.append(slot)
+        elif code == preads.SHORT:
+            outcomes.append(HeaderError.TRUNCATED)
+        elif code == preads.BAD_CHECKSUM:
+            outcomes.append(HeaderError.BAD_CHECKSUM)
+        else:  # the read failed (or the native check did not pass a slot Python does)
+            outcomes.append(_read_in_python(planned.fd, wanted, slot))
     return outcomes
+
+
+def _read_in_python(fd: int, wanted: Wanted, slot: Slot) -> Outcome:
+    """Read and verify one payload from Python, which raises what went wrong."""
+    try:
+        if not io_all(os.preadv, fd, [wanted.out.data], wanted.offset):
+            return HeaderError.TRUNCATED
+    except OSError as exc:
+        return exc
+    return None if codec.checksum(wanted.out) == slot.checksum else HeaderError.BAD_CHECKSUM
 
 
 def _checked_slot(

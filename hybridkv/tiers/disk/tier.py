@@ -214,8 +214,9 @@ class DiskTier(Tier):
         self._dir.drop_if_lost(segment)
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
-        """Slots are checked and checksums compared on the calling thread; only the
-        native reads of the payloads go to the I/O threads (see ``disk.reads``)."""
+        """Runs are planned and outcomes decided on the calling thread; only the native
+        reads (slots checked, payloads read and hashed) go to the I/O threads (see
+        ``disk.reads``)."""
         check_batch(keys, buffers)
         raw_digests = [key_digest(key) for key in keys]
         digests = [digest.hex() for digest in raw_digests]
@@ -229,13 +230,13 @@ class DiskTier(Tier):
             for _, entry in todo:
                 entry.segment.readers += 1
         tasks = read_tasks(todo, self._num_io_threads)
-        checked = [[self._check(run, raw_digests, buffers) for run in task] for task in tasks]
-        payloads = self._map(lambda i: [reads.read_payloads(c) for c in checked[i]], len(tasks))
+        planned = [[self._plan(run, raw_digests, buffers) for run in task] for task in tasks]
+        done = self._map(lambda i: [_read(run) for run in planned[i]], len(tasks))
         outcome_of = {
             j: outcome
-            for task, runs_checked, runs_read in zip(tasks, checked, payloads, strict=True)
-            for run, run_checked, read in zip(task, runs_checked, runs_read, strict=True)
-            for (j, _), outcome in zip(run, reads.verify_run(run_checked, read), strict=True)
+            for task, task_planned, task_done in zip(tasks, planned, done, strict=True)
+            for run, run_planned, read in zip(task, task_planned, task_done, strict=True)
+            for (j, _), outcome in zip(run, self._verify(run, run_planned, read), strict=True)
         }
         results = [GetStatus.MISS] * len(keys)
         touched: set[Segment] = set()
@@ -254,18 +255,30 @@ class DiskTier(Tier):
                         self._dir.touch(segment)
         return results
 
-    def _check(
+    def _plan(
         self, run: list[tuple[int, Entry]], digests: Sequence[bytes], buffers: Sequence[Buffer]
-    ) -> reads.CheckedRun:
-        """Check the slots of one run (objects of consecutive slots of one segment)."""
+    ) -> reads.PlannedRun | reads.Outcome:
+        """One run (objects of consecutive slots of one segment) ready to read, or the
+        outcome of all its objects when its file is gone."""
         segment = run[0][1].segment
-        wanted = [reads.Wanted(e.slot, e.offset, digests[j], buffers[j]) for j, e in run]
         try:
             if self._dir.removed(segment):
-                return reads.CheckedRun.failed(wanted, segments.GONE)
-            return reads.check_run(segment.fd, segment.header, wanted, reader=self.read_only)
+                return segments.GONE
         except OSError as exc:
-            return reads.CheckedRun.failed(wanted, exc)
+            return exc
+        wanted = [reads.Wanted(e.slot, e.offset, digests[j], buffers[j]) for j, e in run]
+        return reads.plan_run(segment.fd, segment.header, wanted)
+
+    def _verify(
+        self,
+        run: list[tuple[int, Entry]],
+        planned: reads.PlannedRun | reads.Outcome,
+        read: preads.RunRead | None,
+    ) -> list[reads.Outcome]:
+        if not isinstance(planned, reads.PlannedRun):
+            return [planned] * len(run)
+        assert read is not None
+        return reads.verify_run(planned, read, reader=self.read_only)
 
     def _finish_get(
         self, digest: str, entry: Entry, key: StoreKey, num_bytes: int, outcome: reads.Outcome
@@ -356,3 +369,8 @@ class DiskTier(Tier):
                 assert isinstance(slot, Slot) and slot.state is SlotState.LIVE, (digest, slot)
                 found = (slot.digest.hex(), slot.offset, slot.length)
                 assert found == (digest, entry.offset, entry.length), digest
+
+
+def _read(planned: reads.PlannedRun | reads.Outcome) -> preads.RunRead | None:
+    """The native read of a planned run (on an I/O thread); None for a run not planned."""
+    return reads.read_planned(planned) if isinstance(planned, reads.PlannedRun) else None
