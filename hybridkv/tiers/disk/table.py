@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from operator import attrgetter
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 from hybridkv.tiers.disk.segments import Geometry, SegmentHeader, align_up, segment_name
 
-R = TypeVar("R")
-
 MIN_PART_BYTES = 1 << 20
-"""Runs of a batch are split across I/O threads in parts of at least this size."""
+"""A get is cut into tasks for its I/O threads of at least this size."""
 
 
 @dataclass(eq=False)
@@ -256,26 +252,6 @@ def runs(reservations: list[Reservation]) -> list[list[Reservation]]:
         else:
             grouped.append([r])
     return grouped
-
-
-def split(
-    run: list[R], num_parts: int, length: Callable[[R], int] = attrgetter("length")
-) -> list[list[R]]:
-    """A run cut into up to ``num_parts`` runs of similar bytes, for parallel I/O."""
-    total = sum(map(length, run))
-    num_parts = max(1, min(num_parts, len(run), total // MIN_PART_BYTES))
-    target, current_bytes = total / num_parts, 0
-    parts: list[list[R]] = []
-    current: list[R] = []
-    for r in run:
-        current.append(r)
-        current_bytes += length(r)
-        if current_bytes >= target and len(parts) < num_parts - 1:
-            parts.append(current)
-            current, current_bytes = [], 0
-    if current:
-        parts.append(current)
-    return parts
 
 
 def read_tasks(

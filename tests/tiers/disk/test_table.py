@@ -1,4 +1,4 @@
-"""SegmentTable: reservations, LRU eviction of idle segments, file reuse, run splitting."""
+"""SegmentTable: reservations, LRU eviction of idle segments, file reuse, runs and a get's tasks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from hybridkv.tiers.disk.table import (
     SegmentTable,
     read_tasks,
     runs,
-    split,
 )
 
 SEGMENT = Geometry.standard(2 * PAGE + 2 * 8192)  # two 8 KiB objects per segment
@@ -96,7 +95,7 @@ def test_a_big_object_evicts_several_segments_and_reuses_the_first_file() -> Non
     t.check()
 
 
-def test_runs_follow_consecutive_slots_and_split_by_bytes() -> None:
+def test_runs_follow_consecutive_slots() -> None:
     t = table(8)
     work = FileWork()
     reserved = [t.reserve(i, f"k{i}", 8192, work) for i in range(3)]
@@ -108,9 +107,6 @@ def test_runs_follow_consecutive_slots_and_split_by_bytes() -> None:
     many = [t2.reserve(i, f"m{i}", 1 << 20, FileWork()) for i in range(8)]
     run = [r for r in many if isinstance(r, Reservation)]
     assert [[r.item for r in run] for run in runs(run)] == [list(range(8))]
-    parts = split(run, 4)
-    assert [len(p) for p in parts] == [2, 2, 2, 2]
-    assert split(run[:1], 4) == [run[:1]]
 
 
 def test_a_get_is_cut_into_one_task_per_thread_of_similar_bytes() -> None:
