@@ -107,19 +107,21 @@ def verify_run(planned: PlannedRun, read: preads.RunRead, *, reader: bool) -> li
     status = read.status
     if not status.any():  # all OK
         return [None] * len(status)
-    if read.slots is None:  # reading the slots failed: from Python, which raises
+    slots = read.slots
+    if slots is None:  # reading the slots failed: again from Python, which raises
         try:
-            os.pread(planned.fd, len(status) * SLOT_BYTES, slot_offset(planned.wanted[0].slot))
+            slots = os.pread(
+                planned.fd, len(status) * SLOT_BYTES, slot_offset(planned.wanted[0].slot)
+            )
         except OSError as exc:
             return [exc] * len(status)
-        read = read._replace(slots=b"")  # it worked this time: the objects count as changed
-    assert read.slots is not None
+        # It worked this time: every slot is checked, and every payload read, from here.
     outcomes: list[Outcome] = []
     for i, (wanted, code) in enumerate(zip(planned.wanted, status.tolist(), strict=True)):
         if code == preads.OK:
             outcomes.append(None)
             continue
-        raw = read.slots[i * SLOT_BYTES : (i + 1) * SLOT_BYTES]
+        raw = slots[i * SLOT_BYTES : (i + 1) * SLOT_BYTES]
         slot = _checked_slot(planned.fd, planned.header, raw, wanted, reader)
         if not isinstance(slot, Slot):
             outcomes.append(slot)

@@ -171,3 +171,18 @@ def test_failed_reads_are_errors_from_python(segment: Segment) -> None:
     finally:
         os.close(fd)
     assert all(isinstance(o, OSError) for o in outcomes), outcomes
+
+
+def test_slots_that_failed_to_read_natively_are_read_and_checked_again(segment: Segment) -> None:
+    # What verify_run gets when the native read of the slots failed (a transient error):
+    # it reads them again from Python, and each object that is whole is served.
+    wanted = segment.wanted(1, 3)
+    failed = preads.RunRead(np.full(3, preads.SLOT_CHANGED, np.int64), None)
+    fd = os.open(segment.path, os.O_RDONLY)
+    try:
+        outcomes = reads.verify_run(reads.plan_run(fd, HEADER, wanted), failed, reader=False)
+    finally:
+        os.close(fd)
+    assert outcomes == [None, None, None]
+    for w in wanted:
+        assert np.array_equal(w.out, segment.payloads[w.slot])
