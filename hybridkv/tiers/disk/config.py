@@ -74,7 +74,9 @@ class DiskConfig(TierConfigBase):
         Field(
             ge=1,
             description=(
-                "parts of one batch moved in parallel (at most one per CPU the process may run on)"
+                "threads moving one batch: a put writes runs in different segment files "
+                "in parallel, a get reads shares of similar bytes (at most one per CPU the "
+                "process may run on)"
             ),
         ),
     ] = 4
