@@ -150,7 +150,7 @@ def read_run(
     words = np.frombuffer(digests, np.uint64)
     args = (offsets, lengths, words, addresses, PREAD_ADDRESS, XXH3_ADDRESS, status)
     got = _read_run(fd, first_slot_at, slots, frame, *args)
-    return RunRead(status, None if got < 0 else slots.tobytes()[:got])
+    return RunRead(status, None if got < 0 else slots.view(np.uint8)[:got].tobytes())
 
 
 def warm_up() -> None:

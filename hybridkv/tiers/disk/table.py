@@ -242,12 +242,16 @@ class SegmentTable:
         assert self.allocated == expected, f"allocated {self.allocated} != {expected}"
 
 
+def follows(last: Entry | Reservation | None, this: Entry | Reservation) -> bool:
+    """Whether ``this`` is in the slot after ``last``'s, in the same segment."""
+    return last is not None and last.segment is this.segment and last.slot + 1 == this.slot
+
+
 def runs(reservations: list[Reservation]) -> list[list[Reservation]]:
     """Reservations grouped into runs of consecutive slots of one segment."""
     grouped: list[list[Reservation]] = []
     for r in sorted(reservations, key=lambda r: (r.segment.seq, r.slot)):
-        last = grouped[-1][-1] if grouped else None
-        if last is not None and last.segment is r.segment and last.slot + 1 == r.slot:
+        if follows(grouped[-1][-1] if grouped else None, r):
             grouped[-1].append(r)
         else:
             grouped.append([r])
@@ -269,8 +273,7 @@ def read_tasks(
     before = 0
     for item, entry in ordered:
         task = tasks[before * num_tasks // total] if total else tasks[0]
-        last = task[-1][-1][1] if task else None
-        if last is not None and last.segment is entry.segment and last.slot + 1 == entry.slot:
+        if follows(task[-1][-1][1] if task else None, entry):
             task[-1].append((item, entry))
         else:
             task.append([(item, entry)])
