@@ -90,9 +90,10 @@ def restart(pool: LocalPool, role: ServerRole) -> Action:
         if role is ServerRole.DAEMON:  # a new daemon must not find the old one listed
             wait_for(lambda: not _pool_capacity(pool), timeout_s=30)
         done = {"restarted": role.value, "restart_s": timed(lambda: pool.restart(role))[1]}
-        if role is not ServerRole.VALKEY:  # recovered once the daemon's memory is listed
+        if role is not ServerRole.VALKEY:
+            # Recovered once the daemon's memory is listed and the pool takes stores
+            # (listed, it may still refuse them).
             done["listed_again_s"] = wait_for(lambda: _pool_capacity(pool) > 0, timeout_s=30)
-        if role is not ServerRole.VALKEY:  # and takes stores: listed, it may still refuse them
             done["stores_again_s"] = wait_for(lambda: _takes_stores(pool), timeout_s=60)
         return done
 
