@@ -14,10 +14,13 @@ import ctypes
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import ClassVar, NewType, Self
+from typing import TYPE_CHECKING, ClassVar, NewType, Self
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch  # only where a tier exposes its memory; lookups never load it
 
 StoreKey = NewType("StoreKey", str)
 """Names one stored block: namespace, group and block hash (see ``hashing``)."""
@@ -200,6 +203,10 @@ class Tier(abc.ABC):
         """
         return False
 
+    def memory(self) -> TierMemory | None:
+        """Where transfers may copy in place; None: only through buffers."""
+        return None
+
     def check_integrity(self) -> None:
         """Raise AssertionError if internal bookkeeping is inconsistent."""
 
@@ -211,6 +218,52 @@ class Tier(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TierMemory(abc.ABC):
+    """Objects kept in this process's memory, which a transfer copies into and out of
+    in place (no staging copy). Thread-safe. Offsets index ``memory``.
+
+    An object is reserved (being written, invisible), then stored; a stored object
+    may be borrowed (pinned) any number of times. A borrow or reservation is ended
+    by key, so while a deleted object is still borrowed its key cannot be reserved
+    again (FULL): one key never names two extents at once.
+    """
+
+    @property
+    @abc.abstractmethod
+    def memory(self) -> torch.Tensor:
+        """1-D uint8 CPU tensor over the whole arena (page-locked when the tier pinned it)."""
+
+    @abc.abstractmethod
+    def reserve_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int | PutStatus]:
+        """Room for each new object: its offset in ``memory``; PutStatus.EXISTS when the key
+        is stored or reserved already; PutStatus.FULL when there is no room even after
+        evicting every object that may be evicted. A reserved object is invisible
+        (contains_many, get_many_into, borrow_many answer as if absent) until
+        ``commit_many``, and is never evicted."""
+
+    @abc.abstractmethod
+    def commit_many(
+        self, keys: Sequence[StoreKey], written: Sequence[bool], *, num_borrows: int = 0
+    ) -> None:
+        """End reservations: a written object becomes stored (counted as a put, most
+        recently used); the room of the others is freed.
+
+        ``num_borrows``: each stored object starts borrowed that many times, before
+        anything could evict it (not counted as gets; each ended by ``release_many``).
+        """
+
+    @abc.abstractmethod
+    def borrow_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int | GetStatus]:
+        """Offsets of stored objects to read in place; each borrowed object is pinned (never
+        evicted, its bytes never reused) until ``release_many``. GetStatus.MISS when absent,
+        GetStatus.CORRUPT when stored with another size (then dropped, counted corrupt).
+        A borrow counts as a get (gets, get_bytes) and marks the object most recently used."""
+
+    @abc.abstractmethod
+    def release_many(self, keys: Sequence[StoreKey]) -> None:
+        """End one borrow of each key (keys borrowed OK only)."""
 
 
 def check_batch(
@@ -231,3 +284,14 @@ def check_batch(
             )
         if not buf.flags.c_contiguous:
             raise ValueError(f"buffers[{i}] must be C-contiguous")
+
+
+def check_sizes(keys: Sequence[StoreKey], sizes: Sequence[int]) -> None:
+    """Validate a reserve or borrow batch at the API boundary (programming errors raise)."""
+    if len(keys) != len(sizes):
+        raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes; need one size per key")
+    for i, size in enumerate(sizes):
+        if isinstance(size, bool) or not isinstance(size, int | np.integer):
+            raise TypeError(f"sizes[{i}] must be an int (bytes), got {type(size).__name__}")
+        if size < 0:
+            raise ValueError(f"sizes[{i}] = {size}: an object's size must be >= 0 bytes")

@@ -1,19 +1,24 @@
 """The CPU tier: a bounded, LRU-evicted object store in one preallocated arena.
 
-Runs in the worker process. Objects are copied into extents of one arena
+Runs in the worker process. Objects live in extents of one arena
 (``tiers.memory``; free extents indexed by exact size, so the few object
-sizes of a KV layout reuse each other's slots), never into fresh memory.
-Each entry keeps an xxh3-64 checksum that ``get_many_into`` verifies before
-copying out.
+sizes of a KV layout reuse each other's slots), never in fresh memory; which
+extent holds what is ``tiers.cpu_index``'s. Blocks are copied in and out
+through buffers (``put_many``, ``get_many_into``) or, by the transfer engine,
+in place (``memory()``).
+
+No checksums here: the arena is process memory, trusted like the KV cache
+itself, and a transfer writing in place leaves no moment to take one. Blocks
+are checksummed where they leave the process (disk and pool tiers); a stored
+object of another size is still CORRUPT.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Annotated, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, StrictBool
@@ -28,13 +33,18 @@ from hybridkv.tiers.base import (
     Tier,
     TierConfigBase,
     TierMedium,
+    TierMemory,
     TierReach,
     TierStats,
     TierUsage,
     check_batch,
+    check_sizes,
 )
-from hybridkv.tiers.codec import checksum
-from hybridkv.tiers.memory import ALIGN_BYTES, ExtentAllocator, allocate_arena
+from hybridkv.tiers.cpu_index import ArenaIndex, Outstanding, Slot
+from hybridkv.tiers.memory import ALIGN_BYTES, allocate_arena
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +68,13 @@ class CpuConfig(TierConfigBase):
     medium: ClassVar[TierMedium] = TierMedium.MEMORY
 
 
-class _Entry(NamedTuple):
-    offset: int
-    num_bytes: int
-    checksum: int
-
-
 class CpuTier(Tier):
-    """Objects in one arena; least recently used (put or hit) evicted first.
+    """Objects in one arena; least recently used (put, hit or borrow) evicted first.
 
-    Thread-safe: one lock guards the index and the copies (a copy of a block
-    is microseconds; holding the lock keeps an evicted extent from being
-    overwritten while it is read).
+    Thread-safe: one lock guards the index and the copies (a copy of a block is
+    microseconds; holding the lock keeps an evicted extent from being overwritten
+    while it is read). In-place access (``memory()``, the ``TierMemory`` calls
+    below) copies outside the lock: a reserved or borrowed extent is never reused.
     """
 
     accepts_promotions = True
@@ -81,25 +86,40 @@ class CpuTier(Tier):
         self._arena, self._arena_owner = allocate_arena(
             config.capacity_bytes, pin_memory=config.pin_memory
         )
-        self._allocator = ExtentAllocator(config.capacity_bytes)
-        self._entries: OrderedDict[StoreKey, _Entry] = OrderedDict()
-        self._used_bytes = 0
+        self._tensor: torch.Tensor | None = None
+        self._index = ArenaIndex(config.capacity_bytes)
         self._stats = TierStats()
         self._lock = threading.Lock()
         self._closed = False
+        self._memory = _CpuMemory(self)
 
     @property
     def is_pinned(self) -> bool:
         return self._arena_owner is not None
 
+    def memory(self) -> TierMemory:
+        return self._memory
+
+    @property
+    def arena(self) -> torch.Tensor:
+        """The arena as a 1-D uint8 tensor: the pinned owner, or a view made on first use
+        (so a tier that is never read in place never imports torch)."""
+        with self._lock:
+            self._check_open()
+            if self._tensor is None:
+                self._tensor = _as_tensor(self._arena, self._arena_owner)
+            return self._tensor
+
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
         with self._lock:
             self._check_open()
-            found = [key in self._entries for key in keys]
+            found = [self._index.find(key) is not None for key in keys]
             self._stats.queries += len(keys)
             self._stats.hits += sum(found)
             self._stats.misses += len(keys) - sum(found)
         return found
+
+    # Through buffers ---------------------------------------------------------------
 
     def put_many(
         self,
@@ -107,46 +127,19 @@ class CpuTier(Tier):
         buffers: Sequence[Buffer],
         checksums: Sequence[int] | None = None,
     ) -> list[PutStatus]:
+        """Copy each buffer in; ``checksums`` are not kept (see the module docstring)."""
         check_batch(keys, buffers, checksums)
         with self._lock:
             self._check_open()
-            values = [None] * len(keys) if checksums is None else checksums
-            return [
-                self._put(key, buf, value)
-                for key, buf, value in zip(keys, buffers, values, strict=True)
-            ]
+            return [self._put(key, buf) for key, buf in zip(keys, buffers, strict=True)]
 
-    def _put(self, key: StoreKey, buf: Buffer, value: int | None) -> PutStatus:
-        """Copy ``buf`` in; ``value`` is its checksum when the caller took it."""
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return PutStatus.EXISTS
-        offset = self._make_room(len(buf))
-        if offset is None:
-            self._stats.put_skipped_full += 1
-            return PutStatus.FULL
-        stored = self._arena[offset : offset + len(buf)]
-        np.copyto(stored, buf)
-        self._entries[key] = _Entry(offset, len(buf), checksum(stored) if value is None else value)
-        self._used_bytes += len(buf)
-        self._stats.puts += 1
-        self._stats.put_bytes += len(buf)
+    def _put(self, key: StoreKey, buf: Buffer) -> PutStatus:
+        offset = self._reserve(key, len(buf))
+        if isinstance(offset, PutStatus):
+            return offset
+        np.copyto(self._arena[offset : offset + len(buf)], buf)
+        self._commit(key, True, num_borrows=0)
         return PutStatus.OK
-
-    def _make_room(self, num_bytes: int) -> int | None:
-        if self._allocator.rounded(num_bytes) > self._allocator.total_bytes:
-            return None
-        offset = self._allocator.allocate(num_bytes)
-        while offset is None and self._entries:
-            self._drop(next(iter(self._entries)))
-            self._stats.evictions += 1
-            offset = self._allocator.allocate(num_bytes)
-        return offset
-
-    def _drop(self, key: StoreKey) -> None:
-        entry = self._entries.pop(key)
-        self._allocator.free(entry.offset)
-        self._used_bytes -= entry.num_bytes
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         check_batch(keys, buffers)
@@ -155,74 +148,176 @@ class CpuTier(Tier):
             return [self._get(key, buf) for key, buf in zip(keys, buffers, strict=True)]
 
     def _get(self, key: StoreKey, buf: Buffer) -> GetStatus:
-        entry = self._entries.get(key)
-        if entry is None:
+        slot = self._find(key, len(buf))
+        if isinstance(slot, GetStatus):
+            return slot
+        np.copyto(buf, self._arena[slot.offset : slot.offset + slot.num_bytes])
+        self._index.touch(key)
+        self._count_get(slot)
+        return GetStatus.OK
+
+    # In place (TierMemory) -----------------------------------------------------------
+
+    def reserve_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int | PutStatus]:
+        """See ``TierMemory.reserve_many``."""
+        check_sizes(keys, sizes)
+        with self._lock:
+            self._check_open()
+            return [self._reserve(key, int(size)) for key, size in zip(keys, sizes, strict=True)]
+
+    def commit_many(
+        self, keys: Sequence[StoreKey], written: Sequence[bool], *, num_borrows: int = 0
+    ) -> None:
+        """See ``TierMemory.commit_many``."""
+        if num_borrows < 0:
+            raise ValueError(f"num_borrows={num_borrows}: must be >= 0")
+        with self._lock:
+            self._check_open()
+            self._index.check_commits(keys, written)
+            for key, was_written in zip(keys, written, strict=True):
+                self._commit(key, bool(was_written), num_borrows)
+
+    def borrow_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int | GetStatus]:
+        """See ``TierMemory.borrow_many``."""
+        check_sizes(keys, sizes)
+        with self._lock:
+            self._check_open()
+            return [self._borrow(key, int(size)) for key, size in zip(keys, sizes, strict=True)]
+
+    def release_many(self, keys: Sequence[StoreKey]) -> None:
+        """See ``TierMemory.release_many``."""
+        with self._lock:
+            self._check_open()
+            self._index.check_releases(keys)
+            for key in keys:
+                self._index.release(key)
+
+    def _reserve(self, key: StoreKey, num_bytes: int) -> int | PutStatus:
+        answer = self._index.reserve(key, num_bytes)
+        if answer is PutStatus.FULL:
+            self._stats.put_skipped_full += 1
+        return answer
+
+    def _commit(self, key: StoreKey, written: bool, num_borrows: int) -> None:
+        slot = self._index.commit(key, written, num_borrows)
+        if slot is not None:
+            self._stats.puts += 1
+            self._stats.put_bytes += slot.num_bytes
+
+    def _borrow(self, key: StoreKey, num_bytes: int) -> int | GetStatus:
+        slot = self._find(key, num_bytes)
+        if isinstance(slot, GetStatus):
+            return slot
+        self._index.borrow(key)
+        self._count_get(slot)
+        return slot.offset
+
+    def _find(self, key: StoreKey, num_bytes: int) -> Slot | GetStatus:
+        """The stored object, if it has ``num_bytes``; one of another size is dropped."""
+        slot = self._index.find(key)
+        if slot is None:
             return GetStatus.MISS
-        stored = self._arena[entry.offset : entry.offset + entry.num_bytes]
-        if entry.num_bytes != len(buf) or checksum(stored) != entry.checksum:
+        if slot.num_bytes != num_bytes:
             logger.warning(
                 "cpu tier %s: object %s is corrupt (stored %d bytes, asked %d); dropped",
                 self.name,
                 key,
-                entry.num_bytes,
-                len(buf),
+                slot.num_bytes,
+                num_bytes,
             )
             self._stats.corrupt += 1
-            self._drop(key)
+            self._index.drop(key)
             return GetStatus.CORRUPT
-        np.copyto(buf, stored)
-        self._entries.move_to_end(key)
+        return slot
+
+    def _count_get(self, slot: Slot) -> None:
         self._stats.gets += 1
-        self._stats.get_bytes += entry.num_bytes
-        return GetStatus.OK
+        self._stats.get_bytes += slot.num_bytes
+
+    # Bookkeeping ---------------------------------------------------------------------
 
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
+        """Remove stored keys (a borrowed one keeps its bytes until released); reservations
+        are left alone."""
         with self._lock:
             self._check_open()
-            present = [key for key in keys if key in self._entries]
+            present = [key for key in dict.fromkeys(keys) if self._index.find(key) is not None]
             for key in present:
-                self._drop(key)
+                self._index.drop(key)
             self._stats.deletes += len(present)
         return len(present)
 
     def usage(self) -> TierUsage:
         with self._lock:
             return TierUsage(
-                num_objects=len(self._entries),
-                used_bytes=self._used_bytes,
+                num_objects=len(self._index.stored),
+                used_bytes=self._index.used_bytes,
                 capacity_bytes=self.capacity_bytes,
             )
 
     def stats(self) -> TierStats:
         with self._lock:
-            return TierStats(**self._stats.as_dict())
+            stats = TierStats(**self._stats.as_dict())
+            stats.evictions = self._index.num_evictions
+        return stats
 
     def keys_lru_order(self) -> list[StoreKey]:
-        """Stored keys, least recently used first (the next to be evicted first)."""
+        """Stored keys, least recently used first (evicted first unless borrowed)."""
         with self._lock:
-            return list(self._entries)
+            return list(self._index.stored)
+
+    def outstanding(self) -> Outstanding:
+        """Reservations and borrows not yet ended."""
+        with self._lock:
+            return self._index.outstanding()
 
     def check_integrity(self) -> None:
         with self._lock:
-            self._allocator.check_integrity()
-            by_offset = {entry.offset: entry for entry in self._entries.values()}
-            assert len(by_offset) == len(self._entries), "two entries share an extent"
-            allocated = self._allocator.allocated()
-            assert allocated.keys() == by_offset.keys(), "allocator and index disagree"
-            for offset, entry in by_offset.items():
-                assert self._allocator.rounded(entry.num_bytes) == allocated[offset]
-            assert self._used_bytes == sum(e.num_bytes for e in self._entries.values())
-            assert self._used_bytes <= self._allocator.allocated_bytes <= self.capacity_bytes
+            self._index.check_integrity()
+            assert self._index.used_bytes <= self.capacity_bytes
 
     def close(self) -> None:
+        """Drop every object, reservation and borrow (callers stopped first)."""
         with self._lock:
             self._closed = True
-            self._entries.clear()
-            self._allocator = ExtentAllocator(0)
-            self._used_bytes = 0
+            self._index = ArenaIndex(0)
             self._arena = np.empty(0, dtype=np.uint8)
             self._arena_owner = None
+            self._tensor = None
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"cpu tier {self.name} is closed")
+
+
+def _as_tensor(arena: Buffer, owner: object | None) -> torch.Tensor:
+    """The arena's pinned owner, else a tensor over the same memory (same page-aligned start)."""
+    import torch
+
+    return owner if isinstance(owner, torch.Tensor) else torch.from_numpy(arena)
+
+
+class _CpuMemory(TierMemory):
+    """``CpuTier.memory()``: its arena and its in-place calls (a ``Tier`` cannot itself be
+    a ``TierMemory``: both name a ``memory``)."""
+
+    def __init__(self, tier: CpuTier) -> None:
+        self._tier = tier
+
+    @property
+    def memory(self) -> torch.Tensor:
+        return self._tier.arena
+
+    def reserve_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int | PutStatus]:
+        return self._tier.reserve_many(keys, sizes)
+
+    def commit_many(
+        self, keys: Sequence[StoreKey], written: Sequence[bool], *, num_borrows: int = 0
+    ) -> None:
+        self._tier.commit_many(keys, written, num_borrows=num_borrows)
+
+    def borrow_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int | GetStatus]:
+        return self._tier.borrow_many(keys, sizes)
+
+    def release_many(self, keys: Sequence[StoreKey]) -> None:
+        self._tier.release_many(keys)

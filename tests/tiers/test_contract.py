@@ -5,7 +5,8 @@ What ``hybridkv.tiers.base.Tier`` promises, checked on real tiers (real
 Mooncake and Valkey servers on 127.0.0.1): a tier answers like a dict whose
 first value wins, writes a buffer only when its status is OK, reads back the
 exact bytes stored, never serves an object of another size, answers every
-key of a batch in order, counts what happened, and stays consistent.
+key of a batch in order, counts what happened, and stays consistent. A tier
+offering its memory (``Tier.memory()``) keeps the ``TierMemory`` protocol.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
@@ -161,3 +163,35 @@ def test_stats_and_usage_count_what_happened(tier: Tier) -> None:
     assert used_after.used_bytes - used_before.used_bytes >= 5000
     capacity = used_after.capacity_bytes
     assert capacity is None or used_after.used_bytes <= capacity
+
+
+def test_memory_is_none_or_keeps_the_protocol(tier: Tier) -> None:
+    """In place: reserved objects are invisible, committed ones read back exactly (through
+    buffers and borrowed), unwritten ones vanish, and a stored key answers EXISTS."""
+    memory = tier.memory()
+    if memory is None:
+        return
+    arena = memory.memory
+    assert arena.dtype == torch.uint8 and arena.dim() == 1 and arena.device.type == "cpu"
+    keys = new_keys(3)
+    values = payloads([4096, 100, 65536], seed=5)
+    sizes = [len(value) for value in values]
+    offsets = memory.reserve_many(keys, sizes)
+    assert tier.contains_many(keys) == [False] * 3
+    view = arena.numpy()
+    for offset, value in zip(offsets, values, strict=True):
+        assert isinstance(offset, int) and offset + len(value) <= len(view)
+        view[offset : offset + len(value)] = value
+    memory.commit_many(keys, [True, True, False])
+    assert tier.contains_many(keys) == [True, True, False]
+    assert memory.reserve_many(keys[:1], sizes[:1]) == [PutStatus.EXISTS]
+    outs = [np.zeros(size, dtype=np.uint8) for size in sizes]
+    assert tier.get_many_into(keys, outs) == [GetStatus.OK, GetStatus.OK, GetStatus.MISS]
+    borrowed = memory.borrow_many(keys, sizes)
+    assert borrowed[2] is GetStatus.MISS
+    for j in range(2):
+        offset = borrowed[j]
+        assert isinstance(offset, int)
+        assert np.array_equal(outs[j], values[j])
+        assert np.array_equal(view[offset : offset + sizes[j]], values[j])
+    memory.release_many(keys[:2])

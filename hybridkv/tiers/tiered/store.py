@@ -4,9 +4,11 @@ Runs in the worker process; its lookups also serve the scheduler's hit search
 when both share a process. Reads go to the cheapest tier holding each block
 (``Selection.PER_BLOCK``) or to one chosen tier (``tier_index``, for
 ``Selection.WHOLE_REQUEST``; see ``tiers.selection``). Stores go to the first
-tier synchronously and reach the others through the write-back queue. A tier
-that raises never breaks the store: the error is logged once, counted, and
-answered as a miss.
+tier synchronously and reach the others through the write-back queue; a
+transfer may also store into the first tier's memory in place (``memory()``,
+``tiers.tiered.in_place``), and what it commits is sent on the same way,
+borrowed rather than copied. A tier that raises never breaks the store: the
+error is logged once, counted, and answered as a miss.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from hybridkv.tiers.base import (
     PutStatus,
     StoreKey,
     Tier,
+    TierMemory,
     TierStats,
     TierUsage,
     check_batch,
 )
-from hybridkv.tiers.cpu import CpuTier
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
+from hybridkv.tiers.tiered.in_place import StoreMemory
 from hybridkv.tiers.tiered.write_back import WriteBack, WriteBackStats
 
 logger = logging.getLogger(__name__)
@@ -51,7 +54,7 @@ class TieredStore(Tier):
     ``tiers[0]`` takes stores synchronously (normally the CPU tier); with
     ``write_back`` the others receive them asynchronously, without it
     synchronously. With ``promote``, a block read from another tier is copied
-    into the first ``CpuTier`` (best effort).
+    into the first tier that ``accepts_promotions`` (best effort).
     """
 
     def __init__(
@@ -75,15 +78,19 @@ class TieredStore(Tier):
         self.promote = promote
         self.load_weight = min(tier.load_weight for tier in self.tiers)
         self._read_order = sorted(range(len(tiers)), key=lambda i: (tiers[i].load_weight, i))
-        cpu_indices = [i for i, tier in enumerate(self.tiers) if isinstance(tier, CpuTier)]
-        self._promote_to = cpu_indices[0] if promote and cpu_indices else None
+        takers = [i for i, tier in enumerate(self.tiers) if tier.accepts_promotions]
+        self._promote_to = takers[0] if promote and takers else None
         self._stats = TierStats()
         self._hit_tokens = [0] * len(tiers)
         self._pending_loads = [0] * len(tiers)
         self._errors = [0] * len(tiers)
         self._lock = threading.Lock()
+        first = self.tiers[0].memory()
+        self._first_memory = first
+        send_on = len(self.tiers) > 1
+        self._memory = None if first is None else StoreMemory(first, self._send_on, send_on=send_on)
         self._write_back = (
-            WriteBack(self._write_lower, write_back_bytes)
+            WriteBack(self._write_lower, self._release_first, write_back_bytes)
             if write_back and len(tiers) > 1
             else None
         )
@@ -225,6 +232,33 @@ class TieredStore(Tier):
         """Write-back thread: put into every tier but the first; returns failures."""
         answers = [self._put_into(index, keys, buffers) for index in range(1, len(self.tiers))]
         return sum(status is PutStatus.ERROR for per_tier in answers for status in per_tier)
+
+    # In place ------------------------------------------------------------------
+
+    def memory(self) -> TierMemory | None:
+        """The first tier's memory (None where it has none); commits reach the other
+        tiers as ``put_many`` does, without a copy."""
+        return self._memory
+
+    def _send_on(self, keys: list[StoreKey], views: list[Buffer]) -> None:
+        """Objects committed in place in the first tier: count them, then send them to
+        the others; with other tiers this owns one borrow of each, released once sent."""
+        with self._lock:
+            self._stats.puts += len(keys)
+            self._stats.put_bytes += sum(len(view) for view in views)
+        if len(self.tiers) == 1:
+            return
+        if self._write_back is not None:
+            self._write_back.submit_borrowed_many(keys, views)
+            return
+        try:
+            self._write_lower(keys, views)
+        finally:
+            self._release_first(keys)
+
+    def _release_first(self, keys: list[StoreKey]) -> None:
+        if self._first_memory is not None:
+            self._guard(0, "release", None, self._first_memory.release_many, keys)
 
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove from every tier (and from the write-back queue); returns keys found anywhere."""

@@ -1,7 +1,10 @@
-"""Write-back: staged copies of stored blocks, written to the slower tiers by one thread.
+"""Write-back: stored blocks queued for the slower tiers, written by one thread.
 
-Worker process. Callers reuse their buffers at once, so every block is
-copied into this queue's own arena first; a full arena skips the block.
+Worker process. A block arrives either as a buffer its caller reuses at once,
+copied into this queue's own arena (allocated on first use), or as a borrowed
+view of the first tier's memory, queued without a copy and released once
+written. Both share one byte budget: past it a block is skipped (a borrowed
+one released at once).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,26 +30,42 @@ WRITE_BACK_BATCH_KEYS = 64
 @dataclass(kw_only=True)
 class WriteBackStats:
     num_queued: int = 0
+    num_copied: int = 0
+    """Of the queued keys, those copied into the queue's arena (the rest were borrowed)."""
     num_written: int = 0
     """Keys whose write-back finished (each lower tier answered)."""
     num_skipped: int = 0
-    """Keys not queued: the staging arena was full (or closed)."""
+    """Keys not queued: the byte budget was spent (or the queue closed)."""
     num_failed: int = 0
     """(key, tier) writes that answered ERROR or raised."""
 
 
+class _Queued(NamedTuple):
+    view: Buffer
+    extent: int | None
+    """Offset of the copy in this queue's arena, freed once written; None: a borrowed
+    view of the first tier's memory, released once written."""
+
+
 class WriteBack:
-    """Staged copies of stored blocks, written to the lower tiers by one thread."""
+    """Stored blocks written to the lower tiers by one thread, copied or borrowed."""
 
     def __init__(
-        self, write: Callable[[list[StoreKey], list[Buffer]], int], capacity_bytes: int
+        self,
+        write: Callable[[list[StoreKey], list[Buffer]], int],
+        release: Callable[[list[StoreKey]], None],
+        capacity_bytes: int,
     ) -> None:
         self._write = write
         """Puts a batch into the lower tiers; returns the number of failed (key, tier) writes."""
-        self._arena, self._arena_owner = allocate_arena(capacity_bytes, pin_memory=False)
+        self._release = release
+        """Ends one borrow of each key in the first tier."""
+        self.capacity_bytes = capacity_bytes
+        self._arena: Buffer | None = None
         self._allocator = ExtentAllocator(capacity_bytes)
-        self._queued: OrderedDict[StoreKey, tuple[int, int]] = OrderedDict()
-        self._in_flight: dict[StoreKey, tuple[int, int]] = {}
+        self._borrowed_bytes = 0
+        self._queued: OrderedDict[StoreKey, _Queued] = OrderedDict()
+        self._in_flight: dict[StoreKey, _Queued] = {}
         self._cond = threading.Condition()
         self._closed = False
         self.stats = WriteBackStats()
@@ -54,21 +74,53 @@ class WriteBack:
 
     def submit_many(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[bool]:
         """Copy and queue each block; False where it was skipped (no room)."""
-        return [self._submit(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+        return [self._submit_copy(key, buf) for key, buf in zip(keys, buffers, strict=True)]
 
-    def _submit(self, key: StoreKey, buf: Buffer) -> bool:
+    def submit_borrowed_many(self, keys: Sequence[StoreKey], views: Sequence[Buffer]) -> list[bool]:
+        """Queue each borrowed view as it is; takes over one borrow of each key, released
+        once written, or at once where the key was queued already (True) or skipped (False)."""
+        with self._cond:
+            answers = [self._submit_borrowed(key, v) for key, v in zip(keys, views, strict=True)]
+        kept = [queued is True for queued in answers]
+        self._release_quietly([key for key, is_kept in zip(keys, kept, strict=True) if not is_kept])
+        return [queued is not False for queued in answers]
+
+    def _submit_copy(self, key: StoreKey, buf: Buffer) -> bool:
         with self._cond:  # copying under the lock keeps cancel() exact; it takes microseconds
             if key in self._queued or key in self._in_flight:
                 return True
-            offset = None if self._closed else self._allocator.allocate(len(buf))
+            room = self._fits(self._allocator.rounded(len(buf)))
+            offset = self._allocator.allocate(len(buf)) if room else None
             if offset is None:
                 self.stats.num_skipped += 1
                 return False
-            np.copyto(self._arena[offset : offset + len(buf)], buf)
-            self._queued[key] = (offset, len(buf))
-            self.stats.num_queued += 1
-            self._cond.notify_all()
+            if self._arena is None:
+                self._arena, _ = allocate_arena(self.capacity_bytes, pin_memory=False)
+            copy = self._arena[offset : offset + len(buf)]
+            np.copyto(copy, buf)
+            self._enqueue(key, _Queued(copy, offset))
+            self.stats.num_copied += 1
         return True
+
+    def _submit_borrowed(self, key: StoreKey, view: Buffer) -> bool | None:
+        """True: queued; None: queued already (this borrow is not kept); False: skipped."""
+        if key in self._queued or key in self._in_flight:
+            return None
+        if not self._fits(len(view)):
+            self.stats.num_skipped += 1
+            return False
+        self._borrowed_bytes += len(view)
+        self._enqueue(key, _Queued(view, None))
+        return True
+
+    def _fits(self, num_bytes: int) -> bool:
+        used_bytes = self._allocator.allocated_bytes + self._borrowed_bytes
+        return not self._closed and used_bytes + num_bytes <= self.capacity_bytes
+
+    def _enqueue(self, key: StoreKey, item: _Queued) -> None:
+        self._queued[key] = item
+        self.stats.num_queued += 1
+        self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
@@ -77,32 +129,50 @@ class WriteBack:
                 if not self._queued:
                     return
                 while self._queued and len(self._in_flight) < WRITE_BACK_BATCH_KEYS:
-                    key, extent = self._queued.popitem(last=False)
-                    self._in_flight[key] = extent
+                    key, item = self._queued.popitem(last=False)
+                    self._in_flight[key] = item
                 batch = list(self._in_flight.items())
             keys = [key for key, _ in batch]
-            views = [self._arena[offset : offset + size] for _, (offset, size) in batch]
             try:
-                num_failed = self._write(keys, views)
+                num_failed = self._write(keys, [item.view for _, item in batch])
             except Exception:  # a bug must not kill the thread and hang flush()
                 logger.exception("write-back of %d blocks failed", len(keys))
                 num_failed = len(keys)
+            # Released before the batch leaves flight: flush() then means no borrow is held.
+            self._release_quietly([key for key, item in batch if item.extent is None])
             with self._cond:
-                for offset, _ in self._in_flight.values():
-                    self._allocator.free(offset)
+                for _, item in batch:
+                    self._forget(item)
                 self._in_flight.clear()
                 self.stats.num_written += len(batch)
                 self.stats.num_failed += num_failed
                 self._cond.notify_all()
 
+    def _forget(self, item: _Queued) -> None:
+        """Return a dequeued item's room to the budget (its borrow is released apart)."""
+        if item.extent is None:
+            self._borrowed_bytes -= len(item.view)
+        else:
+            self._allocator.free(item.extent)
+
+    def _release_quietly(self, keys: list[StoreKey]) -> None:
+        if not keys:
+            return
+        try:
+            self._release(keys)
+        except Exception:  # the first tier closed under us: nothing left to release
+            logger.exception("write-back could not release %d borrowed blocks", len(keys))
+
     def cancel(self, keys: Sequence[StoreKey]) -> None:
-        """Drop queued writes of ``keys`` and wait for an in-flight batch holding any."""
+        """Drop queued writes of ``keys`` (releasing their borrows) and wait for an
+        in-flight batch holding any."""
         with self._cond:
-            for key in keys:
-                extent = self._queued.pop(key, None)
-                if extent is not None:
-                    self._allocator.free(extent[0])
-            wanted = set(keys)
+            dropped = {key: self._queued.pop(key) for key in keys if key in self._queued}
+            for item in dropped.values():
+                self._forget(item)
+        self._release_quietly([key for key, item in dropped.items() if item.extent is None])
+        wanted = set(keys)
+        with self._cond:
             self._cond.wait_for(lambda: not wanted & self._in_flight.keys())
 
     def flush(self, timeout_s: float | None) -> bool:
@@ -112,14 +182,17 @@ class WriteBack:
             )
 
     def close(self, timeout_s: float) -> None:
+        """Flush (up to ``timeout_s``), then drop what is left, releasing its borrows."""
         finished = self.flush(timeout_s)
         with self._cond:
             self._closed = True
-            for offset, _ in self._queued.values():
-                self._allocator.free(offset)
-            self.stats.num_skipped += len(self._queued)
+            dropped = list(self._queued.items())
+            for _, item in dropped:
+                self._forget(item)
+            self.stats.num_skipped += len(dropped)
             self._queued.clear()
             self._cond.notify_all()
+        self._release_quietly([key for key, item in dropped if item.extent is None])
         if finished:
             self._thread.join(timeout_s)
 
@@ -130,9 +203,12 @@ class WriteBack:
     def check_integrity(self) -> None:
         with self._cond:
             self._allocator.check_integrity()
-            extents = {offset: size for offset, size in self._queued.values()}
-            extents.update(self._in_flight.values())
+            items = [*self._queued.values(), *self._in_flight.values()]
+            copies = {item.extent: len(item.view) for item in items if item.extent is not None}
             allocated = self._allocator.allocated()
-            assert allocated.keys() == extents.keys(), "staging extents leaked"
-            assert all(self._allocator.rounded(extents[o]) == s for o, s in allocated.items())
+            assert allocated.keys() == copies.keys(), "staging extents leaked"
+            assert all(self._allocator.rounded(copies[o]) == s for o, s in allocated.items())
+            borrowed = sum(len(item.view) for item in items if item.extent is None)
+            assert self._borrowed_bytes == borrowed, "borrowed bytes miscounted"
+            assert self._allocator.allocated_bytes + borrowed <= self.capacity_bytes
             assert not self._queued.keys() & self._in_flight.keys()

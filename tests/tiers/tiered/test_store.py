@@ -123,9 +123,9 @@ def test_per_block_reads_each_block_from_the_cheapest_tier_holding_it(
 def test_a_corrupt_copy_falls_back_to_the_next_tier(tmp_path: Path) -> None:
     cpu_tier, disk_tier = cpu(), disk(tmp_path)
     store = TieredStore([cpu_tier, disk_tier], promote=False, write_back=False)
-    k = key("flip")
-    store.put_many([k], [payload(k)])
-    cpu_tier._arena[cpu_tier._entries[k].offset] ^= 0xFF
+    k = key("other-size")
+    cpu_tier.put_many([k], [payload(k, SIZE + 1)])  # of another size: CORRUPT when read
+    disk_tier.put_many([k], [payload(k)])
     statuses, outs = read(store, [k])
     assert statuses == [GetStatus.OK] and np.array_equal(outs[0], payload(k))
     by_tier = store.stats_by_tier()
@@ -179,6 +179,33 @@ def test_lower_tier_hits_are_promoted_into_cpu(tmp_path: Path, promote: bool) ->
         statuses, outs = read(cpu_tier, [k])
         assert statuses == [GetStatus.OK] and np.array_equal(outs[0], payload(k))
     store.check_integrity()
+
+
+class PromotedDisk(DiskTier):
+    """A disk tier that declares it takes promotions."""
+
+    accepts_promotions = True
+
+
+class UnpromotedCpu(CpuTier):
+    """A CPU tier that declares it takes none."""
+
+    accepts_promotions = False
+
+
+def test_promotion_goes_to_the_first_tier_declaring_it_accepts_them(tmp_path: Path) -> None:
+    first = UnpromotedCpu(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
+    taker = PromotedDisk(DiskConfig(path=tmp_path / "taker", capacity_bytes=16 << 20))
+    source = disk(tmp_path / "source", load_weight=8.0)
+    store = TieredStore([first, taker, source], write_back=False)
+    k = key("promoted")
+    source.put_many([k], [payload(k)])
+    assert read(store, [k])[0] == [GetStatus.OK]
+    assert store.contains_many_by_tier([k]) == [[False], [True], [True]]
+    statuses, outs = read(taker, [k])
+    assert statuses == [GetStatus.OK] and np.array_equal(outs[0], payload(k))
+    store.check_integrity()
+    store.close()
 
 
 def test_write_back_reaches_disk_with_the_bytes_of_the_put(tmp_path: Path) -> None:
