@@ -89,6 +89,41 @@ class CanonicalKVCaches:
         """Spans that make up one block object of the group, in object order."""
         return self._spans[group_id]
 
+    def spans_may_share_bytes(self, group_id: int) -> bool:
+        """Whether two spans (of any blocks) of the group may share bytes. False when
+        every span has its own storage, or when all have one size and row stride in
+        one storage and start on one grid of that size without meeting."""
+        spans = self.group_block_spans(group_id)
+        tensors = [self.tensors[s.tensor_idx] for s in spans]
+        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        if len(set(storages)) == len(storages):
+            return False
+        first, span_bytes = tensors[0], spans[0].num_bytes
+        row_stride = first.stride(0) if self.num_blocks > 1 else span_bytes
+        if any(
+            storage != storages[0]
+            or (self.num_blocks > 1 and t.stride(0) != row_stride)
+            or s.num_bytes != span_bytes
+            for storage, t, s in zip(storages, tensors, spans, strict=True)
+        ):
+            return True
+        starts = [
+            int(t.storage_offset()) + s.offset_bytes for t, s in zip(tensors, spans, strict=True)
+        ]
+        base = min(starts)
+        if row_stride % span_bytes or any((start - base) % span_bytes for start in starts):
+            return True
+        block_step = row_stride // span_bytes
+        elements = [(start - base) // span_bytes for start in starts]
+        # Blocks b, b' of spans i, j share bytes iff e_i - e_j == (b' - b) * block_step.
+        for i, j in itertools.combinations(elements, 2):
+            distance = abs(i - j)
+            if distance == 0 or (
+                distance % block_step == 0 and distance // block_step < self.num_blocks
+            ):
+                return True
+        return False
+
     def describe(self) -> str:
         rows = ", ".join(f"{t.shape[1]}B/{t.stride(0)}B" for t in self.tensors)
         return (

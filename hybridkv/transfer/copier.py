@@ -1,56 +1,63 @@
-"""Batched block copies between canonical KV caches and staging rows.
+"""Batched block copies between canonical KV caches and rows of host memory.
 
 Runs in the worker process. ``gather`` copies the blocks of one group into
-staging rows of ``block_bytes`` (one object per block), consecutive or
-``row_stride`` bytes apart (room for a tier's header between them);
-``scatter`` copies rows back. There is no Python loop over blocks.
+rows of host memory of ``block_bytes`` each (one object per block): the CPU
+tier's own memory, or staging rows ``row_stride`` bytes apart (room for a
+tier's header between them); ``scatter`` copies rows back. There is no
+Python loop over blocks.
 
 CPU: every copy of a call is one run of bytes (one span of one block), and
 all runs go to ``runs.copy_runs`` in one native call, which prefetches the
 next run while it copies one (``memcpy`` per block left 4-16 KiB blocks at
 0.75-0.85 of one long copy on AMD EPYC; see ``runs``). Runs that continue
 each other on both sides (adjacent blocks of a block-major cache, in order)
-merge into one. Runs go block by block in object order, so the staging side
-is read or written front to back, unless spans of the group may share bytes
+merge into one. Runs go block by block in object order, so the row side is
+read or written front to back, unless spans of the group may share bytes
 (aliased layers): then span by span, the order writes through the per-layer
-views would take, so the last layer written wins as it would there.
+views would take, so the last layer written wins as it would there. Copies
+run on the calling thread only, without the GIL.
+
+CUDA: through one bounded chunk of device memory (``chunked``), enqueued on
+the copier's own stream: ``gather_at`` and ``scatter_at`` return once the
+copies are enqueued, after the stream was told to wait for ``after`` (a
+``compute_mark`` taken where the engine's compute stream is current); a
+``copies_mark`` says when they are done. ``gather`` and ``scatter`` wait for
+them before returning.
 
 Block ids become a numpy array once per call with ``np.array`` (cheaper than
 ``torch.as_tensor`` for a list) and are range-checked before any address is
-formed. Copies run on the calling thread only, without the GIL.
-
-CUDA: per-span indexed ops on a side stream that first waits for the compute
-stream, device <-> pinned host copies on that stream, and an event the call
-waits on before returning, so the bytes are in place when a job is reported.
+formed.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from hybridkv.layout import BlockSpan, CanonicalKVCaches
+from hybridkv.layout import CanonicalKVCaches
+from hybridkv.transfer.chunked import DEVICE_CHUNK_BYTES, ChunkedCopies
 
 Hashes = npt.NDArray[np.uint64]
-"""One xxh3-64 per staging row (``runs.Hashes``)."""
+"""One xxh3-64 per row (``runs.Hashes``)."""
 
-_WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
+CopyMark = Any
+"""A point in a CUDA stream (``torch.cuda.Event``); None where copies are synchronous."""
 
 
-class _Span(NamedTuple):
-    """One span of a group's block, as the CUDA path moves it."""
+class HostRows(NamedTuple):
+    """Where a call's block objects lie in host memory: row ``i`` at ``memory[offsets[i]:]``."""
 
-    src: torch.Tensor
-    """(num_blocks, num_bytes // width) view of the KV bytes, widest dtype."""
-    object_offset: int
-    num_bytes: int
-    dtype: torch.dtype
+    memory: torch.Tensor
+    """1-D uint8 CPU tensor (page-locked for asynchronous CUDA copies)."""
+    offsets: npt.NDArray[np.int64]
+    scratch_gaps: bool = False
+    """The bytes between consecutive rows may be overwritten (header room in staging
+    that the tier writes after the copy): lets the CUDA path move them in one copy."""
 
 
 class _Runs(NamedTuple):
@@ -61,14 +68,6 @@ class _Runs(NamedTuple):
     one block's span to the next block's, offset in the block object, size."""
     block_order: bool
     """Runs go block by block (no two spans share bytes), else span by span."""
-
-
-def _widest(*values: int) -> tuple[int, torch.dtype]:
-    """The widest integer type whose size divides every value (addresses, strides, sizes)."""
-    combined = 0
-    for value in values:
-        combined |= value
-    return next((w, d) for w, d in _WIDE if combined % w == 0)
 
 
 def _index(values: Sequence[int], bound: int, what: str) -> npt.NDArray[np.int64]:
@@ -82,25 +81,42 @@ def _index(values: Sequence[int], bound: int, what: str) -> npt.NDArray[np.int64
     return index
 
 
-class BlockCopier:
-    """Gathers and scatters blocks of one ``CanonicalKVCaches``; stateless per call."""
+def rows_of(buffer: npt.NDArray[np.uint8], num_rows: int, row_stride: int) -> HostRows:
+    """Rows ``row_stride`` bytes apart from the start of ``buffer`` (a numpy array)."""
+    offsets = np.arange(num_rows, dtype=np.int64) * row_stride
+    return HostRows(torch.from_numpy(buffer), offsets)
 
-    def __init__(self, caches: CanonicalKVCaches) -> None:
+
+class BlockCopier:
+    """Gathers and scatters blocks of one ``CanonicalKVCaches``; stateless per call.
+
+    ``chunked`` picks the path (default: the chunked one for caches off the
+    CPU); ``chunk_bytes`` bounds the device memory that path takes.
+    """
+
+    def __init__(
+        self,
+        caches: CanonicalKVCaches,
+        *,
+        chunked: bool | None = None,
+        chunk_bytes: int = DEVICE_CHUNK_BYTES,
+    ) -> None:
         self.caches = caches
         self.device = caches.device
         self.is_cuda = self.device.type == "cuda"
+        self.chunked = self.device.type != "cpu" if chunked is None else chunked
         num_groups = caches.layout.num_groups
-        self._spans: list[list[_Span]] = []
         self._runs: list[_Runs] = []
+        self._chunks: ChunkedCopies | None = None
         self._stream: torch.cuda.Stream | None = None
         self._native: ModuleType | None = None
-        if self.is_cuda:
-            self._spans = [
-                [self._span(g, span) for span in caches.group_block_spans(g)]
-                for g in range(num_groups)
-            ]
-            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        if self.chunked:
+            self._chunks = ChunkedCopies(caches, chunk_bytes)
+            if self.is_cuda:
+                self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         else:
+            if self.device.type != "cpu":
+                raise ValueError(f"the native copy needs caches on the CPU, not {self.device}")
             # Imported here: compiling (or loading) the native copy takes a second or
             # two, which only processes that copy on CPU should pay.
             from hybridkv.transfer import runs
@@ -108,6 +124,16 @@ class BlockCopier:
             runs.warm_up()
             self._native = runs
             self._runs = [self._group_runs(g) for g in range(num_groups)]
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory this copier holds (its chunk); 0 on the native path."""
+        return 0 if self._chunks is None else self._chunks.chunk_bytes
+
+    @property
+    def is_asynchronous(self) -> bool:
+        """Whether ``gather_at``/``scatter_at`` return before their copies are done."""
+        return self._stream is not None
 
     def block_bytes(self, group_id: int) -> int:
         return self.caches.layout.groups[group_id].block_bytes
@@ -133,6 +159,41 @@ class BlockCopier:
             return f"group {group_id}: block ids {list(block_ids)} has duplicates"
         return None
 
+    # ---- streams (CUDA; None and no-ops elsewhere) ------------------------------------
+
+    def compute_mark(self) -> CopyMark:
+        """A mark after the work queued so far on the calling thread's current stream."""
+        if self._stream is None:
+            return None
+        mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        mark.record(torch.cuda.current_stream(self.device))
+        return mark
+
+    def copies_mark(self) -> CopyMark:
+        """A mark after every copy enqueued so far: done when it is."""
+        if self._stream is None:
+            return None
+        mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        mark.record(self._stream)
+        return mark
+
+    @staticmethod
+    def is_done(mark: CopyMark) -> bool:
+        return mark is None or bool(mark.query())
+
+    @staticmethod
+    def wait_done(mark: CopyMark) -> None:
+        """Block the calling thread until ``mark`` is done (the GIL is released)."""
+        if mark is not None:
+            mark.synchronize()
+
+    def hold_compute(self, mark: CopyMark) -> None:
+        """Make the calling thread's current stream wait for ``mark`` (no host wait)."""
+        if mark is not None:
+            torch.cuda.current_stream(self.device).wait_event(mark)
+
+    # ---- copies -------------------------------------------------------------------------
+
     def gather(
         self,
         group_id: int,
@@ -144,18 +205,15 @@ class BlockCopier:
     ) -> Hashes | None:
         """Copy blocks into rows of ``out`` (1-D uint8): row ``i`` starts ``i * row_stride``
         bytes in (default ``block_bytes``: consecutive rows); ``out`` ends with the last row.
+        Returns once the bytes are in place.
 
         ``hashed``: also return each row's xxh3-64 (``tiers.codec.checksum``), taken
         on CPU right after the row is written, while it is in cache."""
         stride = self._check_buffer(group_id, len(block_ids), out, row_stride)
-        ids = self._block_index(block_ids)
-        if self.is_cuda:
-            rows = torch.from_numpy(self._row_view(group_id, len(block_ids), out, stride))
-            self._gather_cuda(group_id, torch.from_numpy(ids), rows)
-            return self._hash_rows(group_id, len(ids), out, stride) if hashed else None
-        return self._copy(
-            group_id, ids, np.arange(len(ids)), out, stride, to_staging=True, hashed=hashed
-        )
+        rows = rows_of(out, len(block_ids), stride)
+        hashes = self.gather_at(group_id, block_ids, rows, hashed=hashed)
+        self.wait_done(self.copies_mark())
+        return hashes
 
     def scatter(
         self,
@@ -167,71 +225,118 @@ class BlockCopier:
         row_stride: int | None = None,
     ) -> None:
         """Copy rows of ``src`` (laid out as ``gather`` writes them) back into the blocks;
-        ``only_rows`` picks a subset."""
+        ``only_rows`` picks a subset. Returns once the blocks hold them."""
         stride = self._check_buffer(group_id, len(block_ids), src, row_stride)
-        ids = self._block_index(block_ids)
-        picked = np.arange(len(ids))
+        rows = rows_of(src, len(block_ids), stride)
         if only_rows is not None:
             picked = _index(only_rows, len(block_ids), "only_rows")
-            ids = ids[picked]
-        if self.is_cuda:
-            rows = self._row_view(group_id, len(block_ids), src, stride)
-            if only_rows is not None:
-                rows = rows[picked]
-            self._scatter_cuda(group_id, torch.from_numpy(ids), torch.from_numpy(rows))
+            block_ids = [block_ids[i] for i in picked.tolist()]
+            rows = rows._replace(offsets=rows.offsets[picked])
+        self.scatter_at(group_id, block_ids, rows)
+        self.wait_done(self.copies_mark())
+
+    def gather_at(
+        self,
+        group_id: int,
+        block_ids: Sequence[int],
+        rows: HostRows,
+        *,
+        after: CopyMark = None,
+        hashed: bool = False,
+    ) -> Hashes | None:
+        """Copy block ``block_ids[i]`` to row ``i``. Asynchronous on CUDA (see module doc),
+        after ``after`` (default: the calling thread's current stream), unless ``hashed``:
+        then it waits for the bytes to hash them."""
+        ids = self._check_rows(group_id, block_ids, rows)
+        if self._chunks is None:
+            return self._copy(group_id, ids, rows, to_rows=True, hashed=hashed)
+        with self._on_stream(after):
+            self._chunks.gather(
+                group_id, ids, rows.memory, rows.offsets, scratch_gaps=rows.scratch_gaps
+            )
+        if not hashed:
+            return None
+        self.wait_done(self.copies_mark())
+        return self._hash_rows(group_id, rows)
+
+    def scatter_at(
+        self, group_id: int, block_ids: Sequence[int], rows: HostRows, *, after: CopyMark = None
+    ) -> None:
+        """Copy row ``i`` into block ``block_ids[i]``. Asynchronous on CUDA (see module doc)."""
+        ids = self._check_rows(group_id, block_ids, rows)
+        if self._chunks is None:
+            self._copy(group_id, ids, rows, to_rows=False)
             return
-        self._copy(group_id, ids, picked, src, stride, to_staging=False)
+        with self._on_stream(after):
+            self._chunks.scatter(
+                group_id, ids, rows.memory, rows.offsets, scratch_gaps=rows.scratch_gaps
+            )
+
+    def _on_stream(self, after: CopyMark) -> Any:
+        """The context the chunked path enqueues in: the copy stream, after ``after``."""
+        stream = self._stream
+        if stream is None:
+            return _NO_STREAM
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            stream.wait_event(after)
+        return torch.cuda.stream(stream)
+
+    def _check_rows(
+        self, group_id: int, block_ids: Sequence[int], rows: HostRows
+    ) -> npt.NDArray[np.int64]:
+        """Block ids as int64, after checking every row lies inside ``rows.memory``."""
+        ids = self._block_index(block_ids)
+        memory, offsets = rows.memory, rows.offsets
+        if memory.device.type != "cpu" or memory.dtype != torch.uint8 or memory.dim() != 1:
+            raise ValueError(
+                f"rows.memory must be a 1-D uint8 CPU tensor, got {memory.dtype} "
+                f"{tuple(memory.shape)} on {memory.device}"
+            )
+        if not memory.is_contiguous():
+            raise ValueError("rows.memory must be contiguous")
+        if offsets.dtype != np.int64 or offsets.ndim != 1 or len(offsets) != len(ids):
+            raise ValueError(
+                f"rows.offsets must be 1-D int64 with one offset per block ({len(ids)}), got "
+                f"{offsets.dtype} {offsets.shape}"
+            )
+        end = len(memory) - self.block_bytes(group_id)
+        if len(offsets) and (offsets.min() < 0 or offsets.max() > end):
+            raise IndexError(f"rows at offsets outside [0, {end}] of their memory")
+        return ids
 
     def _copy(
         self,
         group_id: int,
         ids: npt.NDArray[np.int64],
-        rows: npt.NDArray[np.int64],
-        staging: npt.NDArray[np.uint8],
-        row_stride: int,
+        rows: HostRows,
         *,
-        to_staging: bool,
+        to_rows: bool,
         hashed: bool = False,
     ) -> Hashes | None:
-        """Move block ``ids[i]`` to or from staging row ``rows[i]``, in one native call
-        to form the runs and one to copy them (and hash the rows, when ``hashed``)."""
+        """Move block ``ids[i]`` to or from row ``i``, in one native call to form the runs
+        and one to copy them (and hash the rows, when ``hashed``)."""
         assert self._native is not None
         plan = self._runs[group_id]
-        address = staging.ctypes.data
-        runs = self._native.block_runs(
-            ids, rows, address, row_stride, plan.spans, plan.block_order, to_staging
-        )
+        addresses = rows.memory.data_ptr() + rows.offsets
+        runs = self._native.block_runs(ids, addresses, plan.spans, plan.block_order, to_rows)
         if not hashed:
             self._native.copy_runs(runs)
             return None
         if not plan.block_order:  # span by span: each row is done only at the end
             self._native.copy_runs(runs)
-            return self._hash_rows(group_id, len(ids), staging, row_stride)
-        row_addresses = address + rows * row_stride
+            return self._hash_rows(group_id, rows)
         spans = plan.spans.shape[1]
         block_bytes = self.block_bytes(group_id)
-        hashes: Hashes = self._native.copy_runs_hashed(runs, spans, row_addresses, block_bytes)
+        hashes: Hashes = self._native.copy_runs_hashed(runs, spans, addresses, block_bytes)
         return hashes
 
-    def _hash_rows(
-        self, group_id: int, num_rows: int, staging: npt.NDArray[np.uint8], row_stride: int
-    ) -> Hashes:
+    def _hash_rows(self, group_id: int, rows: HostRows) -> Hashes:
         from hybridkv.transfer import runs
 
-        rows = staging.ctypes.data + np.arange(num_rows, dtype=np.int64) * row_stride
-        return runs.hash_rows(rows, self.block_bytes(group_id))
-
-    def _span(self, group_id: int, span: BlockSpan) -> _Span:
-        block_tensor = self.caches.tensors[span.tensor_idx]
-        narrow = block_tensor[:, span.offset_bytes : span.offset_bytes + span.num_bytes]
-        _, dtype = _widest(
-            narrow.data_ptr(),
-            block_tensor.stride(0),
-            span.num_bytes,
-            span.object_offset_bytes,
-            self.block_bytes(group_id),
-        )
-        return _Span(narrow.view(dtype), span.object_offset_bytes, span.num_bytes, dtype)
+        addresses = rows.memory.data_ptr() + rows.offsets
+        return runs.hash_rows(addresses, self.block_bytes(group_id))
 
     def _group_runs(self, group_id: int) -> _Runs:
         spans = self.caches.group_block_spans(group_id)
@@ -242,43 +347,8 @@ class BlockCopier:
         ]
         return _Runs(
             spans=np.array(spans_at, dtype=np.int64).T.copy(),
-            block_order=not self._may_share_bytes(group_id),
+            block_order=not self.caches.spans_may_share_bytes(group_id),
         )
-
-    def _may_share_bytes(self, group_id: int) -> bool:
-        """Whether two spans (of any blocks) of the group may share bytes. False when
-        every span has its own storage, or when all have one size and row stride in
-        one storage and start on one grid of that size without meeting."""
-        spans = self.caches.group_block_spans(group_id)
-        tensors = [self.caches.tensors[s.tensor_idx] for s in spans]
-        storages = [t.untyped_storage().data_ptr() for t in tensors]
-        if len(set(storages)) == len(storages):
-            return False
-        first, span_bytes = tensors[0], spans[0].num_bytes
-        row_stride = first.stride(0) if self.caches.num_blocks > 1 else span_bytes
-        if any(
-            storage != storages[0]
-            or (self.caches.num_blocks > 1 and t.stride(0) != row_stride)
-            or s.num_bytes != span_bytes
-            for storage, t, s in zip(storages, tensors, spans, strict=True)
-        ):
-            return True
-        starts = [
-            int(t.storage_offset()) + s.offset_bytes for t, s in zip(tensors, spans, strict=True)
-        ]
-        base = min(starts)
-        if row_stride % span_bytes or any((start - base) % span_bytes for start in starts):
-            return True
-        block_step = row_stride // span_bytes
-        elements = [(start - base) // span_bytes for start in starts]
-        # Blocks b, b' of spans i, j share bytes iff e_i - e_j == (b' - b) * block_step.
-        for i, j in itertools.combinations(elements, 2):
-            distance = abs(i - j)
-            if distance == 0 or (
-                distance % block_step == 0 and distance // block_step < self.caches.num_blocks
-            ):
-                return True
-        return False
 
     def _check_buffer(
         self, group_id: int, num_ids: int, buf: npt.NDArray[np.uint8], row_stride: int | None
@@ -298,43 +368,20 @@ class BlockCopier:
             raise ValueError("staging buffer must be C-contiguous")
         return stride
 
-    def _row_view(
-        self, group_id: int, num_ids: int, buf: npt.NDArray[np.uint8], stride: int
-    ) -> npt.NDArray[np.uint8]:
-        """(num_ids, block_bytes) rows of ``buf``, ``stride`` bytes apart (no copy)."""
-        shape = (num_ids, self.block_bytes(group_id))
-        return np.lib.stride_tricks.as_strided(buf, shape, (stride, 1), writeable=True)
-
     def _block_index(self, block_ids: Sequence[int]) -> npt.NDArray[np.int64]:
         """Block ids as int64; IndexError when one is outside the cache (numpy would
         otherwise wrap a negative id around)."""
         return _index(block_ids, self.caches.num_blocks, "block ids")
 
-    def _gather_cuda(self, group_id: int, idx: torch.Tensor, rows: torch.Tensor) -> None:
-        stream = self._stream
-        assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            idx_dev = idx.to(self.device, non_blocking=True)
-            obj = torch.empty(rows.shape, dtype=torch.uint8, device=self.device)
-            for span in self._spans[group_id]:
-                part = obj[:, span.object_offset : span.object_offset + span.num_bytes]
-                torch.index_select(span.src, 0, idx_dev, out=part.view(span.dtype))
-            rows.copy_(obj, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(stream)
-        done.synchronize()
 
-    def _scatter_cuda(self, group_id: int, idx: torch.Tensor, rows: torch.Tensor) -> None:
-        stream = self._stream
-        assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            idx_dev = idx.to(self.device, non_blocking=True)
-            obj = rows.to(self.device, non_blocking=True)
-            for span in self._spans[group_id]:
-                part = obj[:, span.object_offset : span.object_offset + span.num_bytes]
-                span.src.index_copy_(0, idx_dev, part.view(span.dtype))
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(stream)
-        done.synchronize()
+class _NoStream:
+    """The enqueue context of a path without streams."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_STREAM = _NoStream()

@@ -226,27 +226,25 @@ def hash_rows(rows: Runs, row_bytes: int) -> Hashes:
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
 def block_runs(
     ids: Runs,
-    rows: Runs,
-    staging_address: int,
-    row_bytes: int,
+    row_addresses: Runs,
     spans: Runs,
     block_order: bool,
-    to_staging: bool,
+    to_rows: bool,
 ) -> Runs:  # pragma: no cover - native
-    """The runs that move blocks ``ids[i]`` to (``to_staging``) or from staging row
-    ``rows[i]``. ``spans`` is (4, num_spans): address of each span in block 0, bytes
-    from one block's span to the next's, offset in the block object, size. Runs go
-    block by block (``block_order``) or span by span."""
+    """The runs that move blocks ``ids[i]`` to (``to_rows``) or from the object row at
+    ``row_addresses[i]``. ``spans`` is (4, num_spans): address of each span in block 0,
+    bytes from one block's span to the next's, offset in the block object, size. Runs
+    go block by block (``block_order``) or span by span."""
     num_ids, num_spans = len(ids), spans.shape[1]
     runs = np.empty((3, num_ids * num_spans), np.int64)
     for b in range(num_ids):
-        row = staging_address + rows[b] * row_bytes
+        row = row_addresses[b]
         for k in range(num_spans):
             r = b * num_spans + k if block_order else k * num_ids + b
             cache = spans[0, k] + ids[b] * spans[1, k]
-            staging = row + spans[2, k]
-            runs[0, r] = staging if to_staging else cache
-            runs[1, r] = cache if to_staging else staging
+            target = row + spans[2, k]
+            runs[0, r] = target if to_rows else cache
+            runs[1, r] = cache if to_rows else target
             runs[2, r] = spans[3, k]
     return runs
 
@@ -263,5 +261,5 @@ def warm_up() -> None:
     one = np.zeros(1, np.int64)
     spans = np.array([[address], [0], [0], [1]], np.int64)
     for block_order in (False, True):
-        for to_staging in (False, True):
-            block_runs(one, one, address + 1, 1, spans, block_order, to_staging)
+        for to_rows in (False, True):
+            block_runs(one, one + address, spans, block_order, to_rows)

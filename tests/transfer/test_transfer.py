@@ -812,14 +812,20 @@ def reference_scatter(
             case.pages[name][block_id].copy_(chunk.view(torch.int8))
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["native", "chunked"])
 @pytest.mark.parametrize("name", list(COPIER_CASES))
-def test_copier_paths_move_exactly_the_bytes_of_the_layer_views(name: str) -> None:
+def test_copier_paths_move_exactly_the_bytes_of_the_layer_views(name: str, chunked: bool) -> None:
+    """Both paths: the native CPU one, and the chunked one CUDA takes (run here on CPU
+    tensors, with a chunk of three blocks, so calls move several pieces)."""
     layout = copier_case(name, seed=5).layout
     rng = random.Random(name)
+    chunk_bytes = 3 * max(g.block_bytes for g in layout.groups)
     for group_id, g in enumerate(layout.groups):
         case, expected = copier_case(name, seed=5), copier_case(name, seed=5)
-        copier = BlockCopier(canonicalize(case.kv_caches, case.layout))
-        assert copier.copies_block_by_block(group_id) == COPIER_CASES[name][group_id]
+        canonical = canonicalize(case.kv_caches, case.layout)
+        copier = BlockCopier(canonical, chunked=chunked, chunk_bytes=chunk_bytes)
+        if not chunked:
+            assert copier.copies_block_by_block(group_id) == COPIER_CASES[name][group_id]
         ids = list(dict.fromkeys([*rng.sample(range(NUM_BLOCKS), 7), NUM_BLOCKS - 1, 0]))
         want = b"".join(
             case.pages[layer][b].numpy().tobytes() for b in ids for layer in g.layer_names
