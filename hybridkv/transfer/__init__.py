@@ -1,11 +1,14 @@
 """Moving KV blocks between canonical KV caches and a tier, in batches, asynchronously.
 
 Worker process. One object is one block of one group (its layers' pages in
-layer order, see ``hybridkv.layout``). ``TransferEngine`` gathers stores into
-a bounded staging arena before returning and writes them in the background;
-it reads loads in the background and scatters only blocks read OK. Every
-submitted job yields exactly one ``JobResult``. ``BlockCopier`` does the
-batched copies.
+layer order, see ``hybridkv.layout``). ``TransferEngine`` copies stores
+straight into the CPU tier's memory (or a bounded staging arena for tiers
+without memory of their own), synchronously on CPU and on the copier's own
+stream on CUDA (``fence`` keeps the engine from writing those blocks first);
+it reads loads in the background, in place from the CPU tier or through
+staging, and scatters only blocks read OK. Every submitted job yields exactly
+one ``JobResult``. ``BlockCopier`` does the batched copies (``chunked``: the
+CUDA path through one bounded device chunk).
 """
 
 from hybridkv.transfer.copier import BlockCopier

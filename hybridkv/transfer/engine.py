@@ -1,11 +1,16 @@
 """Async store/load jobs between canonical KV caches and a tier.
 
-Runs in the worker process. A store gathers its blocks into the staging arena
-before ``submit_store`` returns (the engine may reuse the blocks at once);
-worker threads then call ``tier.put_many``. A load reserves staging at
-submit; a worker calls ``tier.get_many_into`` and scatters only the blocks
-read OK. Loads run before queued stores. Every submitted job yields exactly
-one ``JobResult`` from ``poll_finished``. A job past its timeout, or
+Runs in the worker process. A store's blocks go straight into the tier's own
+memory when it has some (``Tier.memory()``, the CPU tier: ``in_place``), else
+into the staging arena, from which worker threads call ``tier.put_many``. A
+synchronous store (the default on CPU) copies before ``submit_store``
+returns; an asynchronous one (CUDA) only records where the engine's compute
+stands and returns, the copies run on the copier's stream after that compute,
+and the engine must not reuse those blocks before ``fence`` says so. A load
+borrows the blocks the tier's memory holds and scatters them from there;
+the rest are read into staging reserved at submit, and only blocks read OK
+are scattered. Loads run before queued stores. Every submitted job yields
+exactly one ``JobResult`` from ``poll_finished``. A job past its timeout, or
 cancelled, is reported failed at once; its staging stays reserved until the
 tier call returns, and a load's late bytes are never scattered. A tier that
 frames objects in place in staging (``Tier.register_staging``) gets header
@@ -20,11 +25,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
 from hybridkv.layout import CanonicalKVCaches
 from hybridkv.tiers.base import GetStatus, PutStatus, Tier
 from hybridkv.transfer.copier import BlockCopier
+from hybridkv.transfer.in_place import Borrowed, InPlaceCopies
 from hybridkv.transfer.jobs import (
     Job,
     JobId,
@@ -34,9 +40,10 @@ from hybridkv.transfer.jobs import (
     JobState,
     TransferConfig,
     TransferPart,
-    build_result,
     check_parts,
 )
+from hybridkv.transfer.ledger import JobLedger
+from hybridkv.transfer.moves import JobMoves
 from hybridkv.transfer.placement import StagingPlacement
 from hybridkv.transfer.staging import PHASE_BYTES, StagingArena
 from hybridkv.transfer.stats import TransferStats
@@ -53,7 +60,15 @@ class TransferEngine:
         self.config = config or TransferConfig()
         self.caches = caches
         self.tier = tier
-        self.copier = BlockCopier(caches)
+        self.copier = BlockCopier(
+            caches,
+            chunked=self.config.chunked_copies,
+            chunk_bytes=self.config.device_chunk_bytes,
+        )
+        asynchronous = self.config.asynchronous
+        self.asynchronous = self.copier.is_asynchronous if asynchronous is None else asynchronous
+        memory = tier.memory()
+        self.in_place = None if memory is None else InPlaceCopies(memory, self.copier)
         pin = self.config.pin_memory
         if pin is None:
             pin = caches.device.type == "cuda"
@@ -62,23 +77,22 @@ class TransferEngine:
         self.arena = StagingArena(self.config.staging_bytes, pin_memory=pin, address_phase=phase)
         room_bytes = tier.register_staging(self.arena.array)
         self.placement = StagingPlacement(self.arena, self.copier, room_bytes)
-        self._parked: list[int] = []
-        """Offsets of freed regions a call the tier gave up on may still touch."""
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._jobs: dict[JobId, Job] = {}
-        self._finished: list[JobResult] = []
+        self.moves = JobMoves(tier, self.copier, self.placement, self.in_place)
+        self._ledger = JobLedger(self.arena, tier, self.copier.block_bytes)
         self._queue: queue.PriorityQueue[tuple[int, int, JobId | None]] = queue.PriorityQueue()
         self._ids = itertools.count(1)
         self._seq = itertools.count()
-        self._stats = TransferStats()
-        self._num_unregistered = 0
-        """Staging regions of submits still gathering (not yet in ``_jobs``)."""
         self._closed = False
         self._workers = [
             threading.Thread(target=self._work, name=f"hybridkv-transfer-{i}", daemon=True)
             for i in range(self.config.num_workers)
         ]
+        self._copies: queue.SimpleQueue[JobId | None] = queue.SimpleQueue()
+        """Asynchronous stores, in submit order, for the copy thread."""
+        if self.asynchronous:
+            self._workers.append(
+                threading.Thread(target=self._copy_stores, name="hybridkv-copies", daemon=True)
+            )
         for worker in self._workers:
             worker.start()
 
@@ -87,8 +101,36 @@ class TransferEngine:
     def submit_store(
         self, parts: Sequence[TransferPart], *, timeout_s: float | None = None
     ) -> JobId | None:
-        """Gather now, write to the tier async. None: staging full, retry later."""
+        """Copy the blocks out (now, or after the compute queued so far when asynchronous:
+        see ``fence``) and write them to the tier. None: staging full, retry later."""
         return self._submit(JobKind.STORE, parts, timeout_s)
+
+    def fence(self, block_ids: Collection[int]) -> int:
+        """Before the engine writes ``block_ids`` again: make sure no store still copies
+        them out (of any group: groups may share a block's memory, as vLLM's hybrid
+        allocator lays them out). On CUDA the calling thread's current stream waits
+        for those copies (the host does not); elsewhere the call returns once they
+        are done. Returns how many store jobs it waited for."""
+        wanted = set(block_ids)
+        with self._ledger.lock:
+            pending = [
+                job
+                for job in self._ledger.jobs.values()
+                if job.kind is JobKind.STORE
+                and job.state is not JobState.ABANDONED
+                and not (job.enqueued.is_set() and job.copies_mark is None)
+                and not wanted.isdisjoint(job.block_ids)
+            ]
+        for job in pending:
+            job.enqueued.wait()
+            mark = job.copies_mark
+            if self.copier.is_asynchronous:
+                self.copier.hold_compute(mark)
+            else:
+                self.copier.wait_done(mark)
+        with self._ledger.lock:
+            self._ledger.stats.fences += len(pending)
+        return len(pending)
 
     def submit_load(
         self, parts: Sequence[TransferPart], *, timeout_s: float | None = None
@@ -98,23 +140,24 @@ class TransferEngine:
 
     def poll_finished(self) -> list[JobResult]:
         """Results of jobs finished, failed, timed out or cancelled since the last poll."""
-        with self._lock:
-            self._expire(time.monotonic())
-            done, self._finished = self._finished, []
+        with self._ledger.lock:
+            self._ledger.expire(time.monotonic())
+            done, self._ledger.finished = self._ledger.finished, []
         return done
 
     def cancel(self, job_id: JobId) -> bool:
         """Stop a job; True when it will not touch the KV caches any more.
 
         A cancelled job is reported failed (all blocks) by the next poll. False
-        when the job is scattering (wait for it) or already reported.
+        when the job is copying blocks (wait for it) or already reported.
         """
-        with self._lock:
-            job = self._jobs.get(job_id)
-            if job is None or job.state in (JobState.SCATTERING, JobState.ABANDONED):
+        with self._ledger.lock:
+            job = self._ledger.jobs.get(job_id)
+            busy = (JobState.COPYING, JobState.SCATTERING, JobState.ABANDONED)
+            if job is None or job.state in busy:
                 return False
-            self._stats.cancels += 1
-            self._abandon(job, JobOutcome.CANCELLED, "cancelled")
+            self._ledger.stats.cancels += 1
+            self._ledger.abandon(job, JobOutcome.CANCELLED, "cancelled")
             return True
 
     def wait(
@@ -123,15 +166,17 @@ class TransferEngine:
         """Block until the jobs (default: all) have results; False on timeout."""
 
         def pending() -> bool:
-            ids = self._jobs.keys() if job_ids is None else job_ids
-            jobs = self._jobs
+            ids = self._ledger.jobs.keys() if job_ids is None else job_ids
+            jobs = self._ledger.jobs
             return any(j in jobs and jobs[j].state is not JobState.ABANDONED for j in ids)
 
-        return self._wait_until(pending, timeout_s)
+        return self._ledger.wait_until(pending, timeout_s)
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until no job holds staging (abandoned tier calls included)."""
-        return self._wait_until(lambda: bool(self._jobs or self._parked), timeout_s)
+        return self._ledger.wait_until(
+            lambda: bool(self._ledger.jobs or self._ledger.parked), timeout_s
+        )
 
     @property
     def num_inflight_bytes(self) -> int:
@@ -143,31 +188,26 @@ class TransferEngine:
         return self.arena.total_bytes
 
     def stats(self) -> TransferStats:
-        with self._lock:
-            return self._stats.copy()
+        with self._ledger.lock:
+            return self._ledger.stats.copy()
 
     def check_integrity(self) -> None:
         """Raise AssertionError if staging and job bookkeeping disagree.
 
         When no job is active the arena must be fully free.
         """
-        with self._lock:
-            self.arena.check_integrity()
-            held = {j.staging_offset for j in self._jobs.values() if j.staging_offset is not None}
-            regions = len(held) + len(self._parked) + self._num_unregistered
-            assert regions == self.arena.num_regions, (held, self.arena.num_regions)
-            if not self._jobs and not self._num_unregistered and not self._parked:
-                assert self.arena.used_bytes == 0, f"{self.arena.used_bytes} staging bytes leaked"
+        self._ledger.check_integrity()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Cancel queued jobs, stop the workers. Idempotent; the tier stays open."""
-        with self._lock:
+        with self._ledger.lock:
             if self._closed:
                 return
             self._closed = True
-            for job in list(self._jobs.values()):
+            for job in list(self._ledger.jobs.values()):
                 if job.state is JobState.QUEUED:
-                    self._abandon(job, JobOutcome.CLOSED, "transfer engine closed")
+                    self._ledger.abandon(job, JobOutcome.CLOSED, "transfer engine closed")
+        self._copies.put(None)
         for _ in self._workers:
             self._queue.put((2, next(self._seq), None))
         deadline = time.monotonic() + timeout_s
@@ -190,46 +230,88 @@ class TransferEngine:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         parts = check_parts(parts, self.caches.layout.num_groups, self.copier.check_block_ids)
+        in_place = self.in_place is not None and kind is JobKind.STORE
         offsets, total = self.placement.plan(parts)
+        if in_place:
+            total = 0  # no staging: the blocks go into the tier's memory
         if timeout_s is None:
             is_load = kind is JobKind.LOAD
             timeout_s = self.config.load_timeout_s if is_load else self.config.store_timeout_s
-        with self._lock:
-            self._unpark()
+        with self._ledger.lock:
+            self._ledger.unpark()
             offset = self.arena.allocate(total) if total else None
             if total and offset is None:
-                self._stats.backpressured += 1
+                self._ledger.stats.backpressured += 1
                 return None
             job_id = JobId(next(self._ids))
-            self._num_unregistered += offset is not None
-        job = Job(job_id, kind, parts, offsets, offset, timeout_s)
-        gathered = False
+            self._ledger.num_unregistered += offset is not None
+        job = Job(job_id, kind, parts, offsets, offset, timeout_s, in_place=in_place)
+        job.compute_mark = self.copier.compute_mark()
+        copied = False
+        statuses: list[PutStatus] | None = None
         try:
-            job.buffers = self.placement.buffers(job)
-            if kind is JobKind.STORE:
-                self.placement.gather(job)  # before returning: the engine may reuse the blocks
-            gathered = True
+            if not in_place:
+                job.buffers = self.placement.buffers(job)
+            if kind is JobKind.STORE and not self.asynchronous:
+                statuses = self.moves.copy_out(job)  # before returning: the engine may reuse blocks
+            copied = True
         finally:
-            with self._lock:
-                self._num_unregistered -= offset is not None
-                if gathered:
-                    self._register(job)
+            with self._ledger.lock:
+                self._ledger.num_unregistered -= offset is not None
+                if copied:
+                    self._register(job, statuses)
                 else:
-                    self._release(job)
+                    self._ledger.release(job)
         return job_id
 
-    def _register(self, job: Job) -> None:
+    def _register(self, job: Job, statuses: list[PutStatus] | None) -> None:
         if job.timeout_s is not None:
             job.deadline = time.monotonic() + job.timeout_s
-        self._jobs[job.job_id] = job
-        self._stats.count_submit(job.kind.value, sum(len(p.block_ids) for p in job.parts))
-        if job.staging_offset is None:  # nothing to move
-            self._report(job, [], JobOutcome.OK, None)
+        self._ledger.jobs[job.job_id] = job
+        self._ledger.stats.count_submit(job.kind.value, sum(len(p.block_ids) for p in job.parts))
+        if statuses is not None:  # stored in place
+            self._ledger.report(job, statuses, JobOutcome.OK, None)
+        elif job.staging_offset is None and not job.in_place:  # nothing to move
+            self._ledger.report(job, [], JobOutcome.OK, None)
         elif self._closed:  # closed while this submit gathered: no worker will run it
-            self._abandon(job, JobOutcome.CLOSED, "transfer engine closed")
+            self._ledger.abandon(job, JobOutcome.CLOSED, "transfer engine closed")
+        elif job.kind is JobKind.STORE and not job.enqueued.is_set():
+            self._copies.put(job.job_id)
         else:
-            priority = 0 if job.kind is JobKind.LOAD else 1
-            self._queue.put((priority, next(self._seq), job.job_id))
+            self._queue_for_tier(job)
+
+    def _queue_for_tier(self, job: Job) -> None:
+        priority = 0 if job.kind is JobKind.LOAD else 1
+        self._queue.put((priority, next(self._seq), job.job_id))
+
+    # ---- the copy thread (asynchronous stores) ----------------------------------------
+
+    def _copy_stores(self) -> None:
+        while True:
+            job_id = self._copies.get()
+            if job_id is None:
+                return
+            with self._ledger.lock:
+                job = self._ledger.jobs.get(job_id)
+                if job is None or job.state is not JobState.QUEUED:
+                    continue  # abandoned before its copies started: they never run
+                job.state = JobState.COPYING
+            try:
+                statuses = self.moves.copy_out(job)
+                error = None
+            except Exception as exc:  # a bug: never leave a job unreported
+                logger.exception("store job %d: copy failed", job.job_id)
+                job.enqueued.set()
+                statuses, error = None, f"copy raised {type(exc).__name__}: {exc}"
+            with self._ledger.lock:
+                if error is not None:
+                    self._ledger.report(job, [], JobOutcome.ERROR, error)
+                elif statuses is not None:
+                    self._ledger.report(job, statuses, JobOutcome.OK, None)
+                else:
+                    job.state = JobState.QUEUED
+                    self._queue_for_tier(job)
+                self._ledger.changed.notify_all()
 
     # ---- worker side --------------------------------------------------------------------
 
@@ -241,146 +323,53 @@ class TransferEngine:
             job = self._start(job_id)
             if job is None:
                 continue
+            borrowed: Borrowed = []
             try:
-                statuses, error = self._call_tier(job)
-                self._complete(job, statuses, error)
+                statuses, error, borrowed = self.moves.call_tier(job)
+                self._complete(job, statuses, error, borrowed)
             except Exception as exc:  # a bug: never leave a job unreported
                 logger.exception("%s job %d failed", job.kind.value, job.job_id)
-                with self._lock:
-                    if self._jobs.get(job.job_id) is not job:
+                with self._ledger.lock:
+                    if self._ledger.jobs.get(job.job_id) is not job:
                         continue
                     if job.state is JobState.ABANDONED:
-                        self._release(job)
+                        self._ledger.release(job)
                     else:
-                        self._report(job, [], JobOutcome.ERROR, f"transfer engine error: {exc!r}")
+                        self._ledger.report(
+                            job, [], JobOutcome.ERROR, f"transfer engine error: {exc!r}"
+                        )
+            finally:
+                self.moves.release(job, borrowed)
 
     def _start(self, job_id: JobId) -> Job | None:
-        with self._lock:
-            job = self._jobs.get(job_id)
+        with self._ledger.lock:
+            job = self._ledger.jobs.get(job_id)
             if job is None or job.state is not JobState.QUEUED:
                 return None
             if job.deadline is not None and time.monotonic() > job.deadline:
-                self._stats.timeouts += 1
-                self._abandon(job, JobOutcome.TIMED_OUT, "timed out before it started")
+                self._ledger.stats.timeouts += 1
+                self._ledger.abandon(job, JobOutcome.TIMED_OUT, "timed out before it started")
                 return None
             job.state = JobState.RUNNING
             return job
 
-    def _call_tier(self, job: Job) -> tuple[list[GetStatus] | list[PutStatus], str | None]:
-        keys = [key for part in job.parts for key in part.keys]
-        try:
-            statuses: list[GetStatus] | list[PutStatus]
-            if job.kind is JobKind.STORE:
-                statuses = self.tier.put_many(keys, job.buffers, checksums=job.checksums)
-            else:
-                statuses = self.tier.get_many_into(keys, job.buffers)
-            if len(statuses) != len(keys):
-                raise RuntimeError(f"tier returned {len(statuses)} statuses for {len(keys)} keys")
-            return statuses, None
-        except Exception as exc:
-            logger.warning(
-                "%s job %d: tier %s failed: %r", job.kind.value, job.job_id, self.tier.name, exc
-            )
-            return [], f"tier {self.tier.name} raised {type(exc).__name__}: {exc}"
-
     def _complete(
-        self, job: Job, statuses: list[GetStatus] | list[PutStatus], error: str | None
+        self,
+        job: Job,
+        statuses: list[GetStatus] | list[PutStatus],
+        error: str | None,
+        borrowed: Borrowed,
     ) -> None:
-        with self._lock:
+        with self._ledger.lock:
             if job.state is JobState.ABANDONED:
-                self._release(job)
+                self._ledger.release(job)
                 return
             if job.kind is JobKind.LOAD:
                 job.state = JobState.SCATTERING
         if job.kind is JobKind.LOAD and statuses:
-            error = self._scatter(job, statuses) or error
+            error = self.moves.scatter(job, borrowed) or error
             if error:
                 statuses = []
-        with self._lock:
+        with self._ledger.lock:
             outcome = JobOutcome.ERROR if error else JobOutcome.OK
-            self._report(job, statuses, outcome, error)
-
-    def _scatter(self, job: Job, statuses: Sequence[GetStatus | PutStatus]) -> str | None:
-        try:
-            self.placement.scatter(job, statuses)
-        except Exception as exc:  # a bug, not an I/O failure; the loaded KV is suspect
-            logger.exception("load job %d: scatter failed", job.job_id)
-            return f"scatter raised {type(exc).__name__}: {exc}"
-        return None
-
-    # ---- bookkeeping (callers hold the lock) -------------------------------------------
-
-    def _report(
-        self,
-        job: Job,
-        statuses: Sequence[GetStatus | PutStatus],
-        outcome: JobOutcome,
-        detail: str | None,
-    ) -> None:
-        result, counts = build_result(job, statuses, outcome, detail)
-        self._stats.count_result(job.kind.value, result.ok_block_ids, result.num_failed, counts)
-        self._stats.bytes[job.kind.value] += sum(
-            len(ids) * self.copier.block_bytes(g) for g, ids in result.ok_block_ids.items()
-        )
-        if not result.ok:
-            log = logger.warning if set(counts) - {"miss", "full"} or not counts else logger.debug
-            log(
-                "%s job %d: %d blocks failed: %s",
-                job.kind.value,
-                job.job_id,
-                result.num_failed,
-                result.detail,
-            )
-        self._finished.append(result)
-        if job.state is not JobState.ABANDONED:
-            self._release(job)
-        self._changed.notify_all()
-
-    def _abandon(self, job: Job, outcome: JobOutcome, reason: str) -> None:
-        """Report a job failed now; a running one keeps its staging until the tier returns."""
-        running = job.state is JobState.RUNNING
-        job.state = JobState.ABANDONED
-        self._report(job, [], outcome, reason)
-        if not running:
-            self._release(job)
-
-    def _release(self, job: Job) -> None:
-        if job.staging_offset is not None:
-            self._parked.append(job.staging_offset)
-            job.staging_offset = None
-            self._unpark()
-        self._jobs.pop(job.job_id, None)
-        self._changed.notify_all()
-
-    def _unpark(self) -> None:
-        if self._parked and not self.tier.staging_busy():
-            for offset in self._parked:
-                self.arena.free(offset)
-            self._parked.clear()
-
-    def _expire(self, now: float) -> None:
-        self._unpark()
-        for job in list(self._jobs.values()):
-            late = job.deadline is not None and now > job.deadline
-            if late and job.state in (JobState.QUEUED, JobState.RUNNING):
-                self._stats.timeouts += 1
-                self._abandon(job, JobOutcome.TIMED_OUT, f"timed out after {job.timeout_s} s")
-
-    def _wait_until(self, busy: Callable[[], bool], timeout_s: float | None) -> bool:
-        end = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._changed:
-            while True:
-                now = time.monotonic()
-                self._expire(now)
-                if not busy():
-                    return True
-                if end is not None and now >= end:
-                    return False
-                deadlines = [
-                    j.deadline
-                    for j in self._jobs.values()
-                    if j.deadline is not None and j.state in (JobState.QUEUED, JobState.RUNNING)
-                ]
-                limits = [d - now for d in deadlines] + ([end - now] if end is not None else [])
-                limits += [0.01] if self._parked else []  # the tier tells no one when it is done
-                self._changed.wait(max(0.001, min(limits)) if limits else None)
+            self._ledger.report(job, statuses, outcome, error)

@@ -6,12 +6,14 @@ Pure data and pure functions; used in the worker process by ``engine``.
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, NewType
 
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey
+from hybridkv.transfer.chunked import DEVICE_CHUNK_BYTES
 
 JobId = NewType("JobId", int)
 
@@ -76,10 +78,18 @@ class TransferConfig:
     store_timeout_s: float | None = 60.0
     pin_memory: bool | None = None
     """Pin the staging arena; None: pin when the KV caches are on CUDA."""
+    asynchronous: bool | None = None
+    """A store returns before its copies are done (the engine keeps its blocks
+    until then: ``TransferEngine.fence``); None: when the copies can be (CUDA)."""
+    chunked_copies: bool | None = None
+    """Copy through a bounded device chunk (``transfer.chunked``); None: for caches
+    off the CPU. True on CPU runs that path's logic without a GPU."""
+    device_chunk_bytes: int = DEVICE_CHUNK_BYTES
+    """Device memory the chunked copies take (more only for a larger block)."""
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("staging_bytes", "num_workers"):
+        for name in ("staging_bytes", "num_workers", "device_chunk_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 problems.append(f"{name}={value!r} must be an int > 0")
@@ -93,6 +103,8 @@ class TransferConfig:
 
 class JobState(enum.Enum):
     QUEUED = "queued"
+    COPYING = "copying"
+    """An asynchronous store copying its blocks out (it cannot be given up on)."""
     RUNNING = "running"
     SCATTERING = "scattering"
     ABANDONED = "abandoned"
@@ -115,6 +127,21 @@ class Job:
     buffers: list[Buffer] = field(default_factory=list)
     checksums: list[int] | None = None
     """A store's per-block xxh3-64, taken while gathering (header room only)."""
+    in_place: bool = False
+    """Copies go straight into (store) or may come out of (load) the tier's memory."""
+    compute_mark: object = None
+    """The compute its copies must follow (CUDA: an event taken at submit)."""
+    copies_mark: object = None
+    """Done when its copies are (CUDA: an event); None once they are done."""
+    enqueued: threading.Event = field(default_factory=threading.Event)
+    """Set once ``copies_mark`` is valid: the copies are enqueued (CUDA) or done."""
+    staged_statuses: list[GetStatus] | None = None
+    """A load's answers for the blocks read into staging (the others came in place)."""
+
+    @property
+    def block_ids(self) -> frozenset[int]:
+        """Every block the job copies, whatever its group."""
+        return frozenset(b for part in self.parts for b in part.block_ids)
 
 
 def check_parts(

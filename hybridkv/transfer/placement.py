@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus
-from hybridkv.transfer.copier import BlockCopier
+from hybridkv.transfer.copier import BlockCopier, HostRows
 from hybridkv.transfer.jobs import Job, TransferPart
 from hybridkv.transfer.staging import STAGING_ALIGN_BYTES, StagingArena
 
@@ -61,17 +63,25 @@ class StagingPlacement:
         return [view for i, part in enumerate(job.parts) for view in self._blocks(job, i, part)]
 
     def gather(self, job: Job) -> None:
-        """Copy the job's blocks into staging. With header room, also take each block's
-        checksum while it is in cache (``job.checksums``, for the tier's header)."""
+        """Copy the job's blocks into staging, after ``job.compute_mark``; return once they
+        are there. With header room, also take each block's checksum (``job.checksums``,
+        for the tier's header): on CPU while the block is in cache."""
         hashed = bool(self.room_bytes)
         checksums: list[int] = []
         for i, part in enumerate(job.parts):
             if part.block_ids:
-                rows, stride = self._rows(job, i, part)
-                hashes = self.copier.gather(
-                    part.group_id, part.block_ids, rows, row_stride=stride, hashed=hashed
+                hashes = self.copier.gather_at(
+                    part.group_id,
+                    part.block_ids,
+                    self._host_rows(job, i, part),
+                    after=job.compute_mark,
+                    hashed=hashed,
                 )
                 checksums += [] if hashes is None else hashes.tolist()
+        job.copies_mark = self.copier.copies_mark()
+        job.enqueued.set()
+        self.copier.wait_done(job.copies_mark)
+        job.copies_mark = None
         job.checksums = checksums if hashed else None
 
     def scatter(self, job: Job, statuses: Sequence[GetStatus | PutStatus]) -> None:
@@ -83,20 +93,21 @@ class StagingPlacement:
             ok_rows = [r for r, s in enumerate(part_statuses) if s is GetStatus.OK]
             if not ok_rows:
                 continue
-            picked = None if len(ok_rows) == len(part_statuses) else ok_rows
-            rows, stride = self._rows(job, i, part)
-            self.copier.scatter(
-                part.group_id, part.block_ids, rows, only_rows=picked, row_stride=stride
-            )
+            rows = self._host_rows(job, i, part)
+            if len(ok_rows) < len(part_statuses):
+                rows = rows._replace(offsets=rows.offsets[ok_rows])
+            block_ids = [part.block_ids[r] for r in ok_rows]
+            self.copier.scatter_at(part.group_id, block_ids, rows, after=job.compute_mark)
+        self.copier.wait_done(self.copier.copies_mark())
 
-    def _rows(self, job: Job, index: int, part: TransferPart) -> tuple[Buffer, int]:
-        """A part's blocks as one array from its first payload to its last, and the
-        bytes from one row to the next."""
+    def _host_rows(self, job: Job, index: int, part: TransferPart) -> HostRows:
+        """Where a part's block payloads lie in the arena (the header room between them
+        is the tier's to write after the copy)."""
         assert job.staging_offset is not None
         stride = self.stride(part.group_id)
-        nbytes = (len(part.block_ids) - 1) * stride + self.copier.block_bytes(part.group_id)
         first = job.staging_offset + job.part_offsets[index] + self.room_bytes
-        return self.arena.view(first, nbytes), stride
+        offsets = first + np.arange(len(part.block_ids), dtype=np.int64) * stride
+        return HostRows(self.arena.tensor, offsets, scratch_gaps=True)
 
     def _blocks(self, job: Job, index: int, part: TransferPart) -> list[Buffer]:
         assert job.staging_offset is not None or not part.block_ids

@@ -27,6 +27,8 @@ class TransferStats:
     """Submits refused (None) because staging was full."""
     timeouts: int = 0
     cancels: int = 0
+    fences: int = 0
+    """Store jobs the engine had to wait for before writing their blocks again."""
 
     def count_submit(self, kind: str, num_blocks: int) -> None:
         self.jobs[kind] += 1

@@ -1,0 +1,100 @@
+"""Copies straight into and out of a tier's own memory, with no staging between.
+
+Worker process, under the transfer engine. When the tier keeps objects in
+this process's memory (``Tier.memory()``: the CPU tier), a store reserves
+room for each block there, gathers the blocks into it and commits what was
+copied; a load borrows the blocks the tier holds, scatters them from there
+and releases them once the copies are done (the tier never evicts or reuses
+a borrowed object). Each block is copied once, cache to tier or tier to
+cache; blocks the tier does not hold are read through staging as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, TierMemory
+from hybridkv.transfer.copier import BlockCopier, HostRows
+from hybridkv.transfer.jobs import Job
+
+Borrowed = list[int | GetStatus]
+"""Per key of a load: the object's offset in the tier's memory, or why not there."""
+
+
+class InPlaceCopies:
+    def __init__(self, memory: TierMemory, copier: BlockCopier) -> None:
+        self.memory = memory
+        self.copier = copier
+
+    def store(self, job: Job) -> list[PutStatus]:
+        """Reserve, gather, commit; a status per key. Marks the job enqueued once its
+        copies are (``job.copies_mark``), then waits for them before committing."""
+        keys = job_keys(job)
+        sizes = [self.copier.block_bytes(p.group_id) for p in job.parts for _ in p.keys]
+        reserved = self.memory.reserve_many(keys, sizes)
+        written = [isinstance(r, int) for r in reserved]
+        held = [key for key, w in zip(keys, written, strict=True) if w]
+        try:
+            start = 0
+            for part in job.parts:
+                n = len(part.block_ids)
+                rows = [k for k in range(n) if written[start + k]]
+                if rows:
+                    offsets = np.array([reserved[start + k] for k in rows], np.int64)
+                    self.copier.gather_at(
+                        part.group_id,
+                        [part.block_ids[k] for k in rows],
+                        HostRows(self.memory.memory, offsets),
+                        after=job.compute_mark,
+                    )
+                start += n
+            job.copies_mark = self.copier.copies_mark()
+            job.enqueued.set()
+            self.copier.wait_done(job.copies_mark)
+            job.copies_mark = None
+        except BaseException:
+            job.enqueued.set()
+            self.memory.commit_many(held, [False] * len(held))
+            raise
+        self.memory.commit_many(held, [True] * len(held))
+        return [PutStatus.OK if isinstance(r, int) else r for r in reserved]
+
+    def borrow(self, job: Job) -> Borrowed:
+        keys = job_keys(job)
+        sizes = [self.copier.block_bytes(p.group_id) for p in job.parts for _ in p.keys]
+        return self.memory.borrow_many(keys, sizes)
+
+    def scatter(self, job: Job, borrowed: Borrowed) -> None:
+        """Copy the borrowed blocks into the caches (enqueued on CUDA: wait for
+        ``copier.copies_mark()`` before releasing them)."""
+        start = 0
+        for part in job.parts:
+            n = len(part.block_ids)
+            rows = [k for k in range(n) if isinstance(borrowed[start + k], int)]
+            if rows:
+                offsets = np.array([borrowed[start + k] for k in rows], np.int64)
+                self.copier.scatter_at(
+                    part.group_id,
+                    [part.block_ids[k] for k in rows],
+                    HostRows(self.memory.memory, offsets),
+                    after=job.compute_mark,
+                )
+            start += n
+
+    def release(self, job: Job, borrowed: Borrowed) -> None:
+        keys = job_keys(job)
+        held = [key for key, b in zip(keys, borrowed, strict=True) if isinstance(b, int)]
+        if held:
+            self.memory.release_many(held)
+
+
+def job_keys(job: Job) -> list[StoreKey]:
+    return [key for part in job.parts for key in part.keys]
+
+
+def merge_statuses(borrowed: Borrowed, staged: Sequence[GetStatus]) -> list[GetStatus]:
+    """A load's status per key: OK where borrowed, else what staging's read answered."""
+    rest = iter(staged)
+    return [GetStatus.OK if isinstance(b, int) else next(rest) for b in borrowed]

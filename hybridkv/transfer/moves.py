@@ -1,0 +1,110 @@
+"""What a job does with the bytes: copy a store out, put it into the tier, read a load
+and scatter it.
+
+Worker process, on whichever thread runs the job; the transfer engine owns the
+threads, the job states and the staging accounting. A store's blocks go into
+the tier's own memory when it has some (``in_place``), else into staging for
+``Tier.put_many``. A load borrows the blocks the tier's memory holds and reads
+the rest into staging; only blocks read OK are scattered, and borrowed ones
+are released once their copies are done. A tier that raises fails the job's
+blocks; it never reaches the engine's threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, Tier
+from hybridkv.transfer.copier import BlockCopier
+from hybridkv.transfer.in_place import Borrowed, InPlaceCopies, merge_statuses
+from hybridkv.transfer.jobs import Job, JobKind
+from hybridkv.transfer.placement import StagingPlacement
+
+logger = logging.getLogger(__name__)
+
+
+class JobMoves:
+    def __init__(
+        self,
+        tier: Tier,
+        copier: BlockCopier,
+        placement: StagingPlacement,
+        in_place: InPlaceCopies | None,
+    ) -> None:
+        self.tier = tier
+        self.copier = copier
+        self.placement = placement
+        self.in_place = in_place
+
+    def copy_out(self, job: Job) -> list[PutStatus] | None:
+        """A store's copies: into the tier's memory (statuses: the store is done), or
+        into staging (None: the tier call follows)."""
+        if self.in_place is not None and job.in_place:
+            return self.in_place.store(job)
+        self.placement.gather(job)
+        job.enqueued.set()
+        return None
+
+    def call_tier(self, job: Job) -> tuple[list[GetStatus] | list[PutStatus], str | None, Borrowed]:
+        """The tier's answers (empty, with the error, when it raised), and for a load the
+        blocks borrowed from the tier's memory (to release once scattered)."""
+        keys = [key for part in job.parts for key in part.keys]
+        borrowed: Borrowed = []
+        try:
+            statuses: list[GetStatus] | list[PutStatus]
+            if job.kind is JobKind.STORE:
+                statuses = self.tier.put_many(keys, job.buffers, checksums=job.checksums)
+            else:
+                if self.in_place is not None:
+                    borrowed = self.in_place.borrow(job)
+                statuses = self._read_staged(job, keys, borrowed)
+            if len(statuses) != len(keys):
+                raise RuntimeError(f"tier returned {len(statuses)} statuses for {len(keys)} keys")
+            return statuses, None, borrowed
+        except Exception as exc:
+            logger.warning(
+                "%s job %d: tier %s failed: %r", job.kind.value, job.job_id, self.tier.name, exc
+            )
+            return [], f"tier {self.tier.name} raised {type(exc).__name__}: {exc}", borrowed
+
+    def _read_staged(
+        self, job: Job, keys: Sequence[StoreKey], borrowed: Borrowed
+    ) -> list[GetStatus]:
+        """Read what was not borrowed into staging; every key's status."""
+        if not borrowed:
+            job.staged_statuses = self.tier.get_many_into(keys, job.buffers)
+            return job.staged_statuses
+        rest = [j for j, b in enumerate(borrowed) if not isinstance(b, int)]
+        answers = (
+            self.tier.get_many_into([keys[j] for j in rest], [job.buffers[j] for j in rest])
+            if rest
+            else []
+        )
+        if len(answers) != len(rest):
+            raise RuntimeError(f"tier returned {len(answers)} statuses for {len(rest)} keys")
+        staged = [GetStatus.MISS] * len(keys)  # borrowed blocks are not scattered from staging
+        for j, status in zip(rest, answers, strict=True):
+            staged[j] = status
+        job.staged_statuses = staged
+        return merge_statuses(borrowed, answers)
+
+    def scatter(self, job: Job, borrowed: Borrowed) -> str | None:
+        """Scatter the borrowed blocks and those read OK into staging; return once every
+        copy is done (the borrowed blocks may be released then)."""
+        try:
+            if borrowed and self.in_place is not None:
+                self.in_place.scatter(job, borrowed)
+            if job.staged_statuses is not None:
+                self.placement.scatter(job, job.staged_statuses)
+            self.copier.wait_done(self.copier.copies_mark())
+        except Exception as exc:  # a bug, not an I/O failure; the loaded KV is suspect
+            logger.exception("load job %d: scatter failed", job.job_id)
+            self.copier.wait_done(self.copier.copies_mark())
+            return f"scatter raised {type(exc).__name__}: {exc}"
+        return None
+
+    def release(self, job: Job, borrowed: Borrowed) -> None:
+        """End a load's borrows (after its copies are done, or when it was given up on)."""
+        if borrowed and self.in_place is not None:
+            self.in_place.release(job, borrowed)

@@ -1,0 +1,184 @@
+"""Stores and loads straight into and out of the CPU tier's memory.
+
+Real tiers (CPU, disk): a store copies each block once, into the tier's own
+memory, with no staging; a load borrows what the CPU tier holds and reads
+the rest through staging; an asynchronous engine (CUDA's mode, run here on
+CPU with the chunked copies) does the same after ``submit`` has returned.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv.layout import KVLayoutKind, allocate_kv_caches
+from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.tiers.base import GetStatus, StoreKey
+from hybridkv.tiers.cpu import CpuConfig, CpuTier
+from hybridkv.tiers.disk.config import DiskConfig
+from hybridkv.tiers.disk.tier import DiskTier
+from hybridkv.tiers.tiered.store import TieredStore
+from hybridkv.transfer import (
+    JobResult,
+    TransferConfig,
+    TransferEngine,
+    TransferPart,
+)
+
+NUM_BLOCKS = 64
+PAGE = 1024
+
+
+def spec() -> KVLayoutSpec:
+    full = KVGroup(
+        kind=GroupKind.FULL,
+        block_size=16,
+        page_size_bytes=PAGE,
+        layer_names=("f.0", "f.1", "f.2"),
+    )
+    window = KVGroup(
+        kind=GroupKind.SLIDING_WINDOW,
+        block_size=16,
+        page_size_bytes=PAGE,
+        layer_names=("s.0", "s.1", "s.2"),
+        sliding_window=64,
+    )
+    return KVLayoutSpec(groups=(full, window))
+
+
+def keys(tag: str, group_id: int, ids: list[int]) -> list[StoreKey]:
+    return [StoreKey(f"in-place/{tag}/{group_id}/{b}") for b in ids]
+
+
+def run(engine: TransferEngine, job: object) -> JobResult:
+    assert job is not None
+    assert engine.wait([job], 30)  # type: ignore[list-item]
+    (result,) = engine.poll_finished()
+    return result
+
+
+MODES = {
+    "sync": {},
+    "async-chunked": {"asynchronous": True, "chunked_copies": True},
+}
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request: pytest.FixtureRequest) -> dict[str, object]:
+    return MODES[request.param]
+
+
+@pytest.fixture
+def caches() -> Iterator[tuple[KVLayoutSpec, torch.Tensor, object]]:
+    layout = spec()
+    alloc = allocate_kv_caches(layout, NUM_BLOCKS, kind=KVLayoutKind.LAYER_MAJOR)
+    alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
+    yield layout, alloc.buffer, alloc.canonical
+
+
+def block_bytes_of(canonical: object, group_id: int, block_id: int) -> bytes:
+    from hybridkv.transfer import BlockCopier
+
+    copier = BlockCopier(canonical, chunked=False)  # type: ignore[arg-type]
+    out = np.empty(copier.block_bytes(group_id), np.uint8)
+    copier.gather(group_id, [block_id], out)
+    return out.tobytes()
+
+
+def test_a_store_lands_in_the_tier_memory_without_staging(
+    caches: tuple[KVLayoutSpec, torch.Tensor, object], mode: dict[str, object]
+) -> None:
+    layout, buffer, canonical = caches
+    cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
+    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
+    with TransferEngine(canonical, TieredStore([cpu]), config) as engine:  # type: ignore[arg-type]
+        ids = random.Random(1).sample(range(1, NUM_BLOCKS), 9)
+        parts = [TransferPart(g, ids, keys("s", g, ids)) for g in range(2)]
+        result = run(engine, engine.submit_store(parts))
+        assert result.ok and engine.arena.used_bytes == 0
+        assert engine.stats().bytes["store"] == 2 * 9 * layout.groups[0].block_bytes
+        # The tier's memory holds each block's bytes at the offset it lends out.
+        memory = cpu.memory()
+        assert memory is not None
+        for g in range(2):
+            sizes = [layout.groups[g].block_bytes] * len(ids)
+            offsets = memory.borrow_many(keys("s", g, ids), sizes)
+            for block, offset in zip(ids, offsets, strict=True):
+                assert isinstance(offset, int)
+                got = memory.memory[offset : offset + sizes[0]].numpy().tobytes()
+                assert got == block_bytes_of(canonical, g, block)
+            memory.release_many(keys("s", g, ids))
+        # Load back into wiped blocks: all from memory, none through staging.
+        saved = buffer.clone()
+        for t in canonical.tensors:  # type: ignore[attr-defined]
+            t[ids] = 0
+        result = run(engine, engine.submit_load(parts))
+        assert result.ok and torch.equal(buffer, saved)
+        engine.check_integrity()
+    cpu.check_integrity()
+
+
+def test_a_load_reads_what_the_cpu_tier_lacks_from_the_disk_tier(
+    tmp_path: Path,
+    caches: tuple[KVLayoutSpec, torch.Tensor, object],
+    mode: dict[str, object],
+) -> None:
+    _, buffer, canonical = caches
+    cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
+    disk = DiskTier(DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=16 << 20))
+    store = TieredStore([cpu, disk])
+    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
+    ids = random.Random(2).sample(range(1, NUM_BLOCKS), 12)
+    with TransferEngine(canonical, store, config) as engine:  # type: ignore[arg-type]
+        parts = [TransferPart(0, ids, keys("d", 0, ids))]
+        assert run(engine, engine.submit_store(parts)).ok
+        assert store.flush(30)
+        assert all(disk.contains_many(keys("d", 0, ids)))
+        gone = ids[::2]  # dropped from the CPU tier: only the disk tier has them
+        assert cpu.delete_many(keys("d", 0, gone)) == len(gone)
+        saved = buffer.clone()
+        for t in canonical.tensors:  # type: ignore[attr-defined]
+            t[ids] = 0
+        result = run(engine, engine.submit_load(parts))
+        assert result.ok and torch.equal(buffer, saved)
+        assert disk.stats().gets == len(gone), "only what the CPU tier lacks is read from disk"
+        # A block neither tier holds fails alone, and its KV is untouched.
+        missing = [b for b in range(1, NUM_BLOCKS) if b not in ids][:2]
+        for t in canonical.tensors:  # type: ignore[attr-defined]
+            t[missing] = 9
+        part = [TransferPart(0, [*missing, ids[1]], keys("d", 0, [*missing, ids[1]]))]
+        result = run(engine, engine.submit_load(part))
+        assert result.failed_block_ids[0] == tuple(missing)
+        assert result.ok_block_ids[0] == (ids[1],)
+        assert all(bool((t[missing] == 9).all()) for t in canonical.tensors)  # type: ignore[attr-defined]
+        engine.check_integrity()
+    store.check_integrity()
+    store.close()
+
+
+def test_a_borrowed_block_is_not_evicted_while_a_load_reads_it(
+    caches: tuple[KVLayoutSpec, torch.Tensor, object],
+) -> None:
+    """Loads release what they borrowed: afterwards every object can be evicted again."""
+    layout, _, canonical = caches
+    block_bytes = layout.groups[0].block_bytes
+    cpu = CpuTier(CpuConfig(capacity_bytes=4 * block_bytes, pin_memory=False))
+    with TransferEngine(canonical, TieredStore([cpu]), TransferConfig()) as engine:  # type: ignore[arg-type]
+        parts = [TransferPart(0, [1, 2, 3, 4], keys("e", 0, [1, 2, 3, 4]))]
+        assert run(engine, engine.submit_store(parts)).ok
+        assert run(engine, engine.submit_load(parts)).ok
+        more = [TransferPart(0, [5, 6, 7, 8], keys("e", 0, [5, 6, 7, 8]))]
+        assert run(engine, engine.submit_store(more)).ok, "nothing stays pinned after a load"
+        assert cpu.contains_many(keys("e", 0, [1, 2, 3, 4])) == [False] * 4
+        memory = cpu.memory()
+        assert memory is not None
+        got = memory.borrow_many(keys("e", 0, [5]), [block_bytes])
+        assert isinstance(got[0], int)
+        assert memory.borrow_many(keys("e", 0, [1]), [block_bytes]) == [GetStatus.MISS]
+        memory.release_many(keys("e", 0, [5]))
+    cpu.check_integrity()
