@@ -131,7 +131,7 @@ def test_light_imports_stay_light(module: str, heavy: str) -> None:
 
 def test_tests_mirror_the_package_and_do_not_import_each_other() -> None:
     tests = ROOT / "tests"
-    shared = {"support", "e2e", "faults"}  # cross-cutting suites
+    shared = {"support", "e2e", "faults", "gpu"}  # cross-cutting suites (gpu: needs CUDA)
     for directory in tests.rglob("*"):
         if not directory.is_dir() or directory.name == "__pycache__":
             continue

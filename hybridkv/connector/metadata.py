@@ -74,10 +74,13 @@ class ConnectorMetadata:
     stores: tuple[StoreSpec, ...] = ()
     cancelled_req_ids: frozenset[str] = frozenset()
     """Requests preempted or finished: cancel their loads still in flight."""
+    written_block_ids: tuple[int, ...] = ()
+    """Blocks (of any group) this step's forward pass may write: a store still copying
+    one out must finish first (``ConnectorWorker.fence``)."""
 
     @property
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.cancelled_req_ids)
+        return not (self.loads or self.stores or self.cancelled_req_ids or self.written_block_ids)
 
 
 class LoadOutcome(enum.Enum):

@@ -1,18 +1,32 @@
 """Reads of chosen keys from one chosen tier (whole-request selection).
 
 Worker process. ``RoutedStore`` wraps the worker's store for the transfer
-engine: a key routed to tier ``i`` is read with ``tier_index=i``; every
-other call passes straight through. Thread-safe (the transfer engine reads
-on its own threads).
+engine: a key routed to tier ``i`` is read with ``tier_index=i``, and read in
+place from the first tier's memory only when ``i`` is that tier; every other
+call passes straight through. Thread-safe (the transfer engine reads on its
+own threads).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier, TierStats, TierUsage
+from hybridkv.tiers.base import (
+    Buffer,
+    GetStatus,
+    PutStatus,
+    StoreKey,
+    Tier,
+    TierMemory,
+    TierStats,
+    TierUsage,
+)
 from hybridkv.tiers.tiered.store import TieredStore
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RoutedStore(Tier):
@@ -64,6 +78,14 @@ class RoutedStore(Tier):
                 statuses[j] = status
         return statuses
 
+    def memory(self) -> TierMemory | None:
+        first = self.store.memory()
+        return None if first is None else _RoutedMemory(first, self)
+
+    def routes_of(self, keys: Sequence[StoreKey]) -> list[int | None]:
+        with self._lock:
+            return [self._routes.get(key) for key in keys]
+
     def register_staging(self, staging: Buffer) -> int:
         return self.store.register_staging(staging)
 
@@ -84,3 +106,34 @@ class RoutedStore(Tier):
 
     def close(self) -> None:
         self.store.close()
+
+
+class _RoutedMemory(TierMemory):
+    """The first tier's memory; a key routed to another tier is not borrowed from it."""
+
+    def __init__(self, first: TierMemory, routed: RoutedStore) -> None:
+        self._first = first
+        self._routed = routed
+
+    @property
+    def memory(self) -> torch.Tensor:
+        return self._first.memory
+
+    def reserve_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int | PutStatus]:
+        return self._first.reserve_many(keys, sizes)
+
+    def commit_many(
+        self, keys: Sequence[StoreKey], written: Sequence[bool], *, num_borrows: int = 0
+    ) -> None:
+        self._first.commit_many(keys, written, num_borrows=num_borrows)
+
+    def borrow_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int | GetStatus]:
+        here = [j for j, r in enumerate(self._routed.routes_of(keys)) if r in (None, 0)]
+        answers: list[int | GetStatus] = [GetStatus.MISS] * len(keys)
+        borrowed = self._first.borrow_many([keys[j] for j in here], [sizes[j] for j in here])
+        for j, answer in zip(here, borrowed, strict=True):
+            answers[j] = answer
+        return answers
+
+    def release_many(self, keys: Sequence[StoreKey]) -> None:
+        self._first.release_many(keys)

@@ -6,8 +6,8 @@ group. ``lookup`` finds the longest hit every group can resume from, over
 every rank's tiers and the blocks still being stored; ``allocated`` turns it
 into per-group load transfers once the engine has allocated blocks;
 ``build_metadata`` adds, each step, the blocks of every group completed by
-that step's tokens, so the workers store them before the engine can free or
-reuse them. ``process_report`` takes the workers' results.
+that step's tokens (to store) and the blocks it writes (to fence); the
+workers' results come back through ``process_report``.
 
 Read-your-writes: a block sent for storing counts as stored for lookups
 until a worker reports it dropped, so a request that follows the one that
@@ -278,6 +278,7 @@ class ConnectorScheduler:
             loads=tuple(self._loads),
             stores=tuple(stores),
             cancelled_req_ids=frozenset(self._cancelled),
+            written_block_ids=step.written_block_ids(self.layout),
         )
         self._loads, self._cancelled = [], set()
         return meta
@@ -397,12 +398,9 @@ class ConnectorScheduler:
     def _state(self, req_id: str, cache_salt: str | None, lora_name: str | None) -> RequestState:
         st = self._requests.get(req_id)
         if st is None:
-            hasher = RequestBlockHasher(
-                self.layout.hash_block_size,
-                algo=self.hash_algo,
-                cache_salt=cache_salt,
-                lora_name=lora_name,
-            )
+            size = self.layout.hash_block_size
+            salt, algo = cache_salt, self.hash_algo
+            hasher = RequestBlockHasher(size, algo=algo, cache_salt=salt, lora_name=lora_name)
             st = RequestState(hasher=hasher, table=GroupBlockTable(self.layout.num_groups))
             self._requests[req_id] = st
         return st

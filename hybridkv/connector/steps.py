@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from hybridkv.spec import GroupKind, KVLayoutSpec
+
 
 class LookupResult(NamedTuple):
     num_tokens: int
@@ -38,3 +40,22 @@ class ScheduledRequest:
 class StepInput:
     scheduled: Sequence[ScheduledRequest] = ()
     preempted_req_ids: frozenset[str] = frozenset()
+
+    def written_block_ids(self, layout: KVLayoutSpec) -> tuple[int, ...]:
+        """The blocks this step's forward pass may write, in any group: those handed to
+        a request this step, less the blocks of a new or resumed request's table that
+        lie wholly before its computed tokens (prefix-cache hits, only read). A Mamba
+        group's state block at that boundary counts as written (the step may update
+        it). The null block 0 is never written."""
+        written: set[int] = set()
+        for req in self.scheduled:
+            if req.new_block_ids is None:
+                continue
+            for group_id, ids in enumerate(req.new_block_ids):
+                group = layout.groups[group_id]
+                first = 0
+                if req.replaces_block_ids:
+                    first = req.num_computed_tokens // group.block_size
+                    first -= group.kind is GroupKind.MAMBA and first > 0
+                written.update(b for b in ids[first:] if b)
+        return tuple(sorted(written))

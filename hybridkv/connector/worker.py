@@ -5,9 +5,10 @@ and tiers); never decides what to move. It names blocks in its own rank's
 key namespace. Loads run asynchronously on the transfer engine and are
 reported once every block of the request has arrived, failed or timed out; a
 load of a block this worker is still storing waits for that store. Stores are
-gathered from the KV tensors during ``save`` (the step that computed them,
-before the engine can free or reuse the blocks) and written to the tiers in
-the background; a store that cannot be queued is dropped and reported.
+copied out of the KV tensors from ``save`` on (the step that computed them;
+asynchronously on CUDA, where ``fence`` keeps the engine from writing a block
+before its copy is done) and written to the tiers in the background; a store
+that cannot be queued is dropped and reported.
 """
 
 from __future__ import annotations
@@ -136,6 +137,12 @@ class ConnectorWorker:
             for job_id in list(load.jobs):
                 engine.cancel(job_id)  # False: it is scattering; its result comes anyway
 
+    def fence(self, written_block_ids: Sequence[int]) -> None:
+        """Before the forward pass writes these blocks: no store may still be copying one
+        of them out (see ``TransferEngine.fence``)."""
+        if self.engine is not None and written_block_ids:
+            self.engine.fence(written_block_ids)
+
     def start_loads(self, loads: Sequence[LoadSpec]) -> None:
         """Submit new loads, and retry parts that had to wait last time."""
         now = time.monotonic()
@@ -250,6 +257,7 @@ class ConnectorWorker:
                     self.stats.load_store_waits += 1
                 return
             deadline = load.started + (self.transfer_config.load_timeout_s or float("inf"))
+            engine.fence(part.block_ids)  # a block a store still copies out
             job_id = engine.submit_load((part,), timeout_s=max(deadline - now, 1e-3))
             if job_id is None:
                 return  # staging full: retry later

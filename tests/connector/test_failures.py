@@ -8,6 +8,8 @@ from pathlib import Path
 from hybridkv.connector.metadata import LoadOutcome
 from hybridkv.connector.setup import build_store
 from hybridkv.spec import GroupKind
+from hybridkv.tiers.base import StoreKey
+from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
 from tests.support.connector import (
@@ -160,9 +162,10 @@ def test_other_process_lookup_sees_reported_cpu_keys_and_drops_bad_ones(tmp_path
 
 
 def test_store_backpressure_drops_blocks_and_sends_them_again(tmp_path: Path) -> None:
+    """Staging full (a first tier without memory of its own: stores go through staging)."""
     layout = make_layout((FULL,))
     config = make_config(tmp_path)
-    engine = make_engine(layout, config)
+    engine = make_engine(layout, config, store=TieredStore([DiskTier(disk_config(config))]))
     tokens = prompt(33)
     engine.add("a", tokens)
     arena = engine.worker.engine.arena  # type: ignore[union-attr]
@@ -173,6 +176,32 @@ def test_store_backpressure_drops_blocks_and_sends_them_again(tmp_path: Path) ->
     assert dropped == block_refs(layout, tokens, 0, range(4))
     assert engine.worker.stats.groups[0].store_dropped_blocks == 4
     arena.free(held)
+    assert engine.finish("a") is False
+    engine.add("b", tokens)  # computes the same blocks: they are sent again
+    run_to_end(engine, "b", chunk=16)
+    engine.settle()
+    assert set(dropped) <= set(engine.reported("stored"))
+    close_engine(engine)
+
+
+def test_a_full_cpu_tier_drops_blocks_and_they_are_sent_again(tmp_path: Path) -> None:
+    """Stores go straight into the CPU tier's memory; while every byte of it is reserved
+    by someone else, a store has no room there and its blocks are reported dropped."""
+    layout = make_layout((FULL,))
+    block_bytes = layout.groups[0].block_bytes
+    cpu = CpuTier(CpuConfig(capacity_bytes=4 * block_bytes, pin_memory=False))
+    engine = make_engine(layout, make_config(tmp_path), store=TieredStore([cpu]))
+    memory = cpu.memory()
+    assert memory is not None
+    others = [StoreKey(f"other/{i}") for i in range(4)]
+    assert all(isinstance(r, int) for r in memory.reserve_many(others, [block_bytes] * 4))
+    tokens = prompt(33)
+    engine.add("a", tokens)
+    engine.step({"a": 16})
+    dropped = engine.reported("dropped")
+    assert dropped == block_refs(layout, tokens, 0, range(4))
+    assert engine.worker.stats.groups[0].store_dropped_blocks == 4
+    memory.commit_many(others, [False] * 4)  # the room comes back
     assert engine.finish("a") is False
     engine.add("b", tokens)  # computes the same blocks: they are sent again
     run_to_end(engine, "b", chunk=16)

@@ -47,15 +47,16 @@ def make_engine(
     store: TieredStore | None = None,
     lookup: KeyLookup | None = None,
     load_timeout_s: float | None = 30.0,
+    transfer: dict[str, Any] | None = None,
     **engine_kwargs: Any,
 ) -> SimEngine:
-    """A fresh engine: new KV tensors, new tiers (the disk directory persists)."""
+    """A fresh engine: new KV tensors, new tiers (the disk directory persists).
+    ``transfer``: more ``TransferConfig`` fields."""
     store = store if store is not None else build_store(config.tier_configs, config)
-    worker = ConnectorWorker(
-        layout,
-        store,
-        transfer_config=TransferConfig(staging_bytes=STAGING_BYTES, load_timeout_s=load_timeout_s),
+    transfer_config = TransferConfig(
+        staging_bytes=STAGING_BYTES, load_timeout_s=load_timeout_s, **(transfer or {})
     )
+    worker = ConnectorWorker(layout, store, transfer_config=transfer_config)
     if lookup is None:
         lookup = lookup_for_store(store)
     scheduler = ConnectorScheduler(layout, lookup, selection=config.selection)

@@ -143,6 +143,7 @@ class SimEngine:
         *,
         num_blocks: int = 256,
         reuse_freed_first: bool = False,
+        fence: bool = True,
     ) -> None:
         self.layout = layout
         self.scheduler = scheduler
@@ -153,6 +154,10 @@ class SimEngine:
         self.free_ids = list(range(1, num_blocks))
         self.reuse_freed_first = reuse_freed_first
         """Hand out the most recently freed block first (the hazard for late stores)."""
+        self.fence = fence
+        """Tell the worker which blocks a step writes before writing them, as vLLM's
+        connector does; False is an engine that writes them at once (to show the
+        hazard)."""
         self.last_meta: ConnectorMetadata | None = None
         self.metas: list[ConnectorMetadata] = []
         self.handed_out: list[tuple[str, int, int]] = []
@@ -296,6 +301,8 @@ class SimEngine:
         self.last_meta = meta
         self.metas.append(meta)
         self.worker.cancel(meta.cancelled_req_ids)
+        if self.fence:
+            self.worker.fence(meta.written_block_ids)
         for s in scheduled:  # the forward pass
             self._compute(self.requests[s.req_id], s.num_scheduled_tokens)
         self.worker.start_loads(meta.loads)

@@ -173,7 +173,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.start_loads(self._meta().loads)
+            meta = self._meta()
+            self._worker.fence(meta.written_block_ids)  # before the forward pass writes them
+            self._worker.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
