@@ -163,7 +163,22 @@ class CpuTier(Tier):
         check_sizes(keys, sizes)
         with self._lock:
             self._check_open()
-            return [self._reserve(key, int(size)) for key, size in zip(keys, sizes, strict=True)]
+            answers: list[int | PutStatus | None] = [None] * len(keys)
+            new: dict[StoreKey, int] = {}  # keys no one holds, at their first sight
+            for j, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+                if key in new:
+                    answers[j] = PutStatus.EXISTS  # reserved below, for its first sight
+                elif self._index.knows(key):
+                    answers[j] = self._reserve(key, int(size))  # EXISTS or FULL
+                else:
+                    new[key] = int(size)
+            # One run for the new objects when the arena has it: a device copies it at once.
+            run = self._index.reserve_run(list(new), list(new.values())) if len(new) > 1 else None
+            offsets = dict(zip(new, run, strict=True)) if run is not None else {}
+            for j, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+                if answers[j] is None:
+                    answers[j] = offsets[key] if key in offsets else self._reserve(key, int(size))
+            return [answer for answer in answers if answer is not None]
 
     def commit_many(
         self, keys: Sequence[StoreKey], written: Sequence[bool], *, num_borrows: int = 0

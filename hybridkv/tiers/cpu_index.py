@@ -55,6 +55,10 @@ class ArenaIndex:
         """The stored object under ``key`` (reserved and deleted ones are absent)."""
         return self.stored.get(key)
 
+    def knows(self, key: StoreKey) -> bool:
+        """Whether ``key`` is stored, reserved or still borrowed after its deletion."""
+        return key in self.stored or key in self._reserved or key in self._zombies
+
     def touch(self, key: StoreKey) -> None:
         self.stored.move_to_end(key)
 
@@ -77,6 +81,35 @@ class ArenaIndex:
         self._reserved[key] = Slot(offset, num_bytes)
         self._pinned_bytes += self._allocator.rounded(num_bytes)
         return offset
+
+    def reserve_run(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int] | None:
+        """Adjacent room for new objects ``keys`` (none stored, reserved or borrowed), in
+        order, so a device copies them in one piece; None (nothing reserved) when there
+        is none. It evicts only when the free room is short of the run anyway (what
+        reserving them one by one would evict too), and then least recently used
+        objects of at most the run's size."""
+        allocator = self._allocator
+        total = sum(allocator.rounded(size) for size in sizes)
+        if total > allocator.total_bytes - self._pinned_bytes:
+            return None
+        offset = allocator.allocate(total)
+        short = allocator.total_bytes - allocator.allocated_bytes < total
+        evicted = 0
+        while offset is None and short and evicted < total:
+            victim = next((k for k, slot in self.stored.items() if not slot.num_borrows), None)
+            if victim is None:
+                return None
+            evicted += allocator.rounded(self.stored[victim].num_bytes)
+            self.drop(victim)
+            self.num_evictions += 1
+            offset = allocator.allocate(total)
+        if offset is None:
+            return None
+        offsets = allocator.split(offset, sizes)
+        for key, start, size in zip(keys, offsets, sizes, strict=True):
+            self._reserved[key] = Slot(start, size)
+        self._pinned_bytes += total
+        return offsets
 
     def _make_room(self, num_bytes: int) -> int | None:
         """Allocate, evicting unpinned objects least recently used first; None if even

@@ -7,6 +7,9 @@ an arena are handed out by ``ExtentAllocator``.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import numpy as np
 
 from hybridkv.tiers.base import Buffer
@@ -68,6 +71,17 @@ class ExtentAllocator:
             size += self._remove_free(left)
             offset = left
         self._add_free(offset, size)
+
+    def split(self, offset: int, sizes: Sequence[int]) -> list[int]:
+        """Cut the allocated extent at ``offset`` into adjacent extents of ``sizes`` (each
+        rounded; together exactly the extent's size); returns their offsets."""
+        rounded = [self.rounded(size) for size in sizes]
+        if self._allocated.get(offset) != sum(rounded):
+            raise ValueError(f"extent at {offset} is not {sum(rounded)} allocated bytes")
+        offsets = list(itertools.accumulate(rounded[:-1], initial=offset))
+        for start, size in zip(offsets, rounded, strict=True):
+            self._allocated[start] = size
+        return offsets
 
     def allocated(self) -> dict[int, int]:
         """offset -> size of every allocated extent (a copy)."""

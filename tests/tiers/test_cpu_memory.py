@@ -419,3 +419,61 @@ def test_threads_borrowing_and_committing_keep_bytes_and_bookkeeping() -> None:
     assert tier.outstanding() == Outstanding(0, 0)
     assert tier.stats().evictions > 0
     tier.check_integrity()
+
+
+# --- batches get adjacent room ---------------------------------------------------------------
+
+
+def store_batch(memory: TierMemory, arena: np.ndarray, keys: list[StoreKey]) -> list[int]:
+    offsets = memory.reserve_many(keys, [SLOT] * len(keys))
+    assert all(isinstance(o, int) for o in offsets), offsets
+    for k, offset in zip(keys, offsets, strict=True):
+        assert isinstance(offset, int)
+        arena[offset : offset + SLOT] = payload(k)
+    memory.commit_many(keys, [True] * len(keys))
+    return [o for o in offsets if isinstance(o, int)]
+
+
+def test_a_batch_gets_one_run_of_adjacent_room_even_in_a_full_arena() -> None:
+    """A device copies adjacent objects in one piece: a batch's new objects are reserved
+    side by side, also once the arena is full and the room comes from evicting (the
+    least recently used objects, as many as the batch needs)."""
+    tier, memory, arena = tier_of(16)
+    first = [key(f"a{i}") for i in range(6)]
+    assert store_batch(memory, arena, first) == [i * 1024 for i in range(6)]
+    singles = [key(f"s{i}") for i in range(10)]
+    for k in singles:  # the arena is full
+        store_batch(memory, arena, [k])
+    batch = [key(f"b{i}") for i in range(5)]
+    assert store_batch(memory, arena, batch) == [i * 1024 for i in range(5)]
+    assert tier.contains_many(first) == [False] * 5 + [True]
+    assert tier.stats().evictions == 5
+    for k in [*batch, first[5], *singles]:
+        out = np.zeros(SLOT, np.uint8)
+        assert tier.get_many_into([k], [out]) == [GetStatus.OK]
+        assert np.array_equal(out, payload(k))
+    tier.check_integrity()
+
+
+def test_free_holes_are_used_before_anything_is_evicted_for_a_run() -> None:
+    tier, memory, arena = tier_of(8)
+    keys = [key(i) for i in range(8)]
+    store_batch(memory, arena, keys)
+    tier.delete_many(keys[::2])  # four single holes: room for a batch of four, not a run
+    offsets = store_batch(memory, arena, [key(f"n{i}") for i in range(4)])
+    assert sorted(offsets) == [0, 2048, 4096, 6144]
+    assert tier.stats().evictions == 0
+    assert tier.contains_many(keys[1::2]) == [True] * 4
+    tier.check_integrity()
+
+
+def test_borrowed_objects_between_holes_leave_single_holes_only() -> None:
+    tier, memory, arena = tier_of(8)
+    keys = [key(i) for i in range(8)]
+    store_batch(memory, arena, keys)
+    memory.borrow_many(keys[1::2], [SLOT] * 4)
+    offsets = store_batch(memory, arena, [key(f"n{i}") for i in range(3)])
+    assert len(set(offsets)) == 3 and all(o // 1024 % 2 == 0 for o in offsets)
+    assert tier.contains_many(keys[1::2]) == [True] * 4, "borrowed objects are never evicted"
+    memory.release_many(keys[1::2])
+    tier.check_integrity()
