@@ -1,0 +1,438 @@
+"""The GPU data path against the PCIe link: copies, whole stores and loads, host time,
+device memory, and a simulated engine's step time.
+
+One command for a machine with one NVIDIA GPU. The limit is one contiguous
+copy of the same bytes between device memory and pinned host memory,
+measured in the same run (device to host for stores, host to device for
+loads); every figure is a ratio to it:
+
+* ``copy``: ``BlockCopier`` gathers and scatters of random blocks of one
+  group, into consecutive rows and into rows with 64 bytes of header room
+  (a framing tier's staging), for page layouts vLLM 0.32 gives on GPU (its
+  default ``LBNHC``, one page per layer; ``BLHNC``, block-major, when
+  hybridkv asks) and pages of 4 KiB (DeepSeek-V4's small groups), 16 KiB,
+  64 KiB and Mamba states; bytes checked against the CPU copier.
+* ``store``/``load``: a whole job through ``TransferEngine`` into the CPU tier
+  (``cpu``) and the CPU tier with a disk tier behind it (``cpu+disk``), from
+  submit to result; bytes checked after the load.
+* ``host``: how long a store call holds the calling thread while compute is
+  queued on the device (target: under 1 ms).
+* ``device``: the device memory the copies took beyond the KV cache.
+* ``engine``: the engine-neutral connector driven like vLLM's worker over
+  a simulated run (prefill of long prompts, decode of many requests, hits
+  loaded); step time added over the same steps without hybridkv (target:
+  at most 3% with every prefill stored).
+
+Targets: copy and framed rows >= 0.90; store and load through the CPU tier
+>= 0.80. Prints a table; ``--json`` writes every figure. ``--device cpu``
+runs the same code on CPU tensors (the chunked path's logic; no targets).
+
+    python benchmarks/bench_gpu.py [--quick] [--json PATH] [--device cuda|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridkv.layout import KVLayoutKind, allocate_kv_caches
+from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.tiers.base import StoreKey
+from hybridkv.tiers.cpu import CpuConfig, CpuTier
+from hybridkv.tiers.disk.config import DiskConfig
+from hybridkv.tiers.disk.tier import DiskTier
+from hybridkv.tiers.tiered.store import TieredStore
+from hybridkv.transfer import BlockCopier, TransferConfig, TransferEngine, TransferPart
+from hybridkv.transfer.copier import HostRows
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_steps import StepEngine
+
+MIB = 1 << 20
+COPY_TARGET = 0.90
+STORE_TARGET = 0.80
+HOST_TARGET_MS = 1.0
+STEP_TARGET = 0.03
+LAYOUTS = {"LBNHC": KVLayoutKind.LAYER_MAJOR, "BLHNC": KVLayoutKind.BLOCK_MAJOR}
+"""vLLM's GPU page layouts, by the storage kind they give a group's blocks."""
+
+
+def model(
+    name: str, num_layers: int, page_bytes: int, block_size: int, second: GroupKind
+) -> KVLayoutSpec:
+    def group(kind: GroupKind, prefix: str) -> KVGroup:
+        return KVGroup(
+            kind=kind,
+            block_size=block_size,
+            page_size_bytes=page_bytes,
+            layer_names=tuple(f"{prefix}.{i}" for i in range(num_layers)),
+            sliding_window=1024 if kind is GroupKind.SLIDING_WINDOW else None,
+        )
+
+    return KVLayoutSpec(groups=(group(GroupKind.FULL, "f"), group(second, "s")), model_id=name)
+
+
+CASES = {
+    "4 KiB pages x 8 (DeepSeek-V4-like)": model("dsv4", 8, 4 << 10, 4, GroupKind.SLIDING_WINDOW),
+    "16 KiB pages x 13 (Gemma 3 1B-like)": model("g1b", 13, 16 << 10, 16, GroupKind.SLIDING_WINDOW),
+    "64 KiB pages x 16 (8B-like)": model("8b", 16, 64 << 10, 16, GroupKind.SLIDING_WINDOW),
+    "256 KiB Mamba states x 8": model("mamba", 8, 256 << 10, 16, GroupKind.MAMBA),
+}
+
+
+class Bench:
+    def __init__(self, device: torch.device, job_bytes: int, reps: int) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.job_bytes = job_bytes
+        self.reps = reps
+        self.report: dict[str, Any] = {
+            "device": torch.cuda.get_device_name(device) if self.cuda else "cpu",
+            "torch": torch.__version__,
+            "job_MiB": job_bytes / MIB,
+        }
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def timed(self, fn: Callable[[], object]) -> float:
+        """Median wall seconds of ``fn`` with the device idle before and after."""
+        fn()
+        times = []
+        for _ in range(self.reps):
+            self.sync()
+            start = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def pinned(self, num_bytes: int) -> torch.Tensor:
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+
+    # --- the limit ----------------------------------------------------------------
+
+    def limit(self) -> None:
+        dev = torch.empty(self.job_bytes, dtype=torch.uint8, device=self.device)
+        host = self.pinned(self.job_bytes)
+        d2h = self.timed(lambda: host.copy_(dev, non_blocking=True))
+        h2d = self.timed(lambda: dev.copy_(host, non_blocking=True))
+        self.report["limit_GBps"] = {
+            "d2h": self.job_bytes / d2h / 1e9,
+            "h2d": self.job_bytes / h2d / 1e9,
+        }
+
+    def ratio(self, num_bytes: int, seconds: float, direction: str) -> float:
+        return num_bytes / seconds / 1e9 / self.report["limit_GBps"][direction]
+
+    # --- copies -------------------------------------------------------------------
+
+    def copies(self) -> None:
+        rows = []
+        for label, spec in CASES.items():
+            for layout_name, kind in LAYOUTS.items():
+                rows.append({"case": label, "layout": layout_name, **self._copy_case(spec, kind)})
+                print("copy", json.dumps(rows[-1]), flush=True)
+        self.report["copy"] = rows
+
+    def _copy_case(self, spec: KVLayoutSpec, kind: KVLayoutKind) -> dict[str, Any]:
+        block_bytes = spec.groups[0].block_bytes
+        n = max(2, self.job_bytes // block_bytes)
+        num_blocks = 2 * n + 1
+        alloc = allocate_kv_caches(spec, num_blocks, kind=kind, device=self.device)
+        alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
+        base = torch.cuda.memory_allocated(self.device) if self.cuda else 0
+        copier = BlockCopier(alloc.canonical, chunked=True)
+        ids = random.Random(0).sample(range(num_blocks), n)
+        stride = block_bytes + 64
+        host = self.pinned((n - 1) * stride + block_bytes)
+        tight = HostRows(host, np.arange(n, dtype=np.int64) * block_bytes)
+        framed = HostRows(host, np.arange(n, dtype=np.int64) * stride, scratch_gaps=True)
+        check = self._check_bytes(spec, kind, alloc.buffer, ids, copier, tight)
+
+        def run(op: Callable[..., object], rows: HostRows) -> Callable[[], object]:
+            return lambda: (op(0, ids, rows), copier.wait_done(copier.copies_mark()))
+
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        times = {
+            "gather": self.timed(run(copier.gather_at, tight)),
+            "scatter": self.timed(run(copier.scatter_at, tight)),
+            "gather_framed": self.timed(run(copier.gather_at, framed)),
+            "scatter_framed": self.timed(run(copier.scatter_at, framed)),
+        }
+        peak = torch.cuda.max_memory_allocated(self.device) - base if self.cuda else 0
+        nbytes = n * block_bytes
+        return {
+            "block_KiB": block_bytes >> 10,
+            "blocks": n,
+            "bytes_equal": check,
+            **{
+                k: self.ratio(nbytes, t, "d2h" if "gather" in k else "h2d")
+                for k, t in times.items()
+            },
+            "device_extra_MiB": peak / MIB,
+            "copier_device_MiB": copier.device_bytes / MIB,
+        }
+
+    def _check_bytes(
+        self,
+        spec: KVLayoutSpec,
+        kind: KVLayoutKind,
+        buffer: torch.Tensor,
+        ids: list[int],
+        copier: BlockCopier,
+        rows: HostRows,
+    ) -> bool:
+        """Gather and scatter against the CPU's native copier on the same contents."""
+        reference = allocate_kv_caches(spec, 2 * len(ids) + 1, kind=kind)
+        reference.buffer.copy_(buffer.cpu())
+        native = BlockCopier(reference.canonical, chunked=False)
+        want = np.zeros(len(ids) * spec.groups[0].block_bytes, np.uint8)
+        native.gather(0, ids, want)
+        copier.gather_at(0, ids, rows)
+        copier.wait_done(copier.copies_mark())
+        gathered = np.array_equal(rows.memory[: want.size].numpy(), want)
+        saved = buffer.clone()
+        buffer.zero_()
+        reference.buffer.zero_()
+        copier.scatter_at(0, ids, rows)
+        copier.wait_done(copier.copies_mark())
+        native.scatter(0, ids, want)
+        scattered = torch.equal(buffer.cpu(), reference.buffer)
+        buffer.copy_(saved)
+        return bool(gathered and scattered)
+
+    # --- whole jobs through the tiers --------------------------------------------------
+
+    def jobs(self, cache_dir: Path) -> None:
+        spec = CASES["64 KiB pages x 16 (8B-like)"]
+        block_bytes = spec.groups[0].block_bytes
+        n = max(2, self.job_bytes // block_bytes)
+        rows = []
+        for tiers in ("cpu", "cpu+disk"):
+            alloc = allocate_kv_caches(
+                spec, 2 * n + 1, kind=KVLayoutKind.LAYER_MAJOR, device=self.device
+            )
+            alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
+            store = self._store(tiers, 2 * n * block_bytes + 64 * MIB, cache_dir / tiers)
+            with TransferEngine(
+                alloc.canonical, store, TransferConfig(staging_bytes=64 * MIB)
+            ) as engine:
+                rows.append(
+                    {"tiers": tiers, **self._job_case(engine, alloc.buffer, n, block_bytes)}
+                )
+            store.close()
+            print("jobs", json.dumps(rows[-1]), flush=True)
+        self.report["jobs"] = rows
+
+    def _store(self, tiers: str, cpu_bytes: int, path: Path) -> TieredStore:
+        cpu = CpuTier(CpuConfig(capacity_bytes=cpu_bytes))
+        if tiers == "cpu":
+            return TieredStore([cpu])
+        disk = DiskTier(DiskConfig(path=str(path), capacity_bytes=2 * cpu_bytes))
+        return TieredStore([cpu, disk])
+
+    def _job_case(
+        self, engine: TransferEngine, buffer: torch.Tensor, n: int, block_bytes: int
+    ) -> dict[str, Any]:
+        ids = random.Random(1).sample(range(1, 2 * n + 1), n)
+        saved = buffer.clone()
+        store_s, load_s, host_ms, equal = [], [], [], True
+        for rep in range(self.reps):
+            keys = [StoreKey(f"bench/{rep}/{i}") for i in range(n)]
+            part = [TransferPart(0, ids, keys)]
+            self.sync()
+            start = time.perf_counter()
+            job = engine.submit_store(part)
+            host_ms.append((time.perf_counter() - start) * 1e3)
+            assert job is not None and engine.wait([job], 120)
+            store_s.append(time.perf_counter() - start)
+            results = engine.poll_finished()
+            for tensor in engine.caches.tensors:  # wipe the stored blocks only
+                tensor[ids] = 0
+            self.sync()
+            start = time.perf_counter()
+            job = engine.submit_load(part)
+            assert job is not None and engine.wait([job], 120)
+            load_s.append(time.perf_counter() - start)
+            results += engine.poll_finished()
+            equal &= all(r.ok for r in results) and torch.equal(buffer, saved)
+            buffer.copy_(saved)
+        nbytes = n * block_bytes
+        return {
+            "MiB": nbytes / MIB,
+            "store": self.ratio(nbytes, statistics.median(store_s), "d2h"),
+            "load": self.ratio(nbytes, statistics.median(load_s), "h2d"),
+            "submit_ms": statistics.median(host_ms),
+            "bytes_equal": equal,
+        }
+
+    # --- the host time of a store call with compute queued ---------------------------
+
+    def host_time(self) -> None:
+        spec = CASES["16 KiB pages x 13 (Gemma 3 1B-like)"]
+        blocks_per_step = 4096 // spec.groups[0].block_size  # one 4096-token prefill step
+        alloc = allocate_kv_caches(spec, 4 * blocks_per_step + 1, device=self.device)
+        store = TieredStore([CpuTier(CpuConfig(capacity_bytes=256 * MIB))])
+        weight = torch.randn(4096, 4096, device=self.device)
+        calls = []
+        with TransferEngine(alloc.canonical, store) as engine:
+            for rep in range(self.reps):
+                for _ in range(8 if self.cuda else 1):  # tens of ms of compute queued
+                    weight = torch.mm(weight, weight).clamp_(-1, 1)
+                ids = list(range(1, blocks_per_step + 1))
+                parts = [
+                    TransferPart(g, ids, [StoreKey(f"host/{rep}/{g}/{i}") for i in ids])
+                    for g in range(spec.num_groups)
+                ]
+                start = time.perf_counter()
+                job = engine.submit_store(parts)
+                calls.append((time.perf_counter() - start) * 1e3)
+                assert job is not None and engine.wait([job], 60)
+                engine.poll_finished()
+        store.close()
+        self.report["host"] = {
+            "blocks_per_call": blocks_per_step * spec.num_groups,
+            "store_call_ms": statistics.median(calls),
+            "asynchronous": self.cuda,
+        }
+        print("host", json.dumps(self.report["host"]), flush=True)
+
+    # --- the simulated engine ------------------------------------------------------------
+
+    def engine(self, quick: bool) -> None:
+        spec = CASES["64 KiB pages x 16 (8B-like)"]
+        prompt_tokens, num_prompts = (1024, 2) if quick else (8192, 8)
+        num_decoding, decode_steps = (4, 4) if quick else (64, 32)
+        block_size = spec.groups[0].block_size
+        blocks_needed = (
+            3 * spec.num_groups * (num_prompts * prompt_tokens + num_decoding * 64) // block_size
+        )
+        figures: dict[str, Any] = {}
+        for with_connector in (False, True):
+            alloc = allocate_kv_caches(
+                spec, blocks_needed + 1, kind=KVLayoutKind.LAYER_MAJOR, device=self.device
+            )
+            store = (
+                TieredStore(
+                    [CpuTier(CpuConfig(capacity_bytes=blocks_needed * spec.groups[0].block_bytes))]
+                )
+                if with_connector
+                else None
+            )
+            sim = StepEngine(spec, alloc, store, flops_per_token=2 * 8 * 10**9 // 1000)
+            rng = np.random.default_rng(5)
+            prompts = [rng.integers(3, 30000, prompt_tokens).tolist() for _ in range(num_prompts)]
+            for i, tokens in enumerate(prompts):  # prefill, in chunks of 2048 tokens
+                sim.add(f"p{i}", tokens)
+                while sim.requests[f"p{i}"].num_computed < prompt_tokens:
+                    sim.step("prefill", {f"p{i}": 2048})
+            decoders = [f"d{i}" for i in range(num_decoding)]
+            for req_id in decoders:
+                sim.add(req_id, rng.integers(3, 30000, 64 + decode_steps).tolist())
+            sim.step("prefill", {r: 64 for r in decoders})
+            for _ in range(decode_steps):
+                sim.step("decode", {r: 1 for r in decoders})
+            for i in range(num_prompts):
+                sim.finish(f"p{i}")
+            start = time.perf_counter()
+            hits = [sim.add(f"again{i}", tokens) for i, tokens in enumerate(prompts)]
+            sim.wait_loads("hit")
+            for i in range(num_prompts):  # the last tokens (all of them without a hit)
+                while sim.requests[f"again{i}"].num_computed < prompt_tokens:
+                    sim.step("hit", {f"again{i}": 2048})
+            name = "hybridkv" if with_connector else "alone"
+            figures[name] = {
+                "prefill_s": sim.times.total("prefill"),
+                "decode_s": sim.times.total("decode"),
+                "hit_phase_s": time.perf_counter() - start,
+                "hit_tokens": sum(hits),
+            }
+            sim.close()
+            if store is not None:
+                store.close()
+        alone, ours = figures["alone"], figures["hybridkv"]
+        figures["prefill_added"] = ours["prefill_s"] / alone["prefill_s"] - 1
+        figures["decode_added"] = ours["decode_s"] / alone["decode_s"] - 1
+        self.report["engine"] = figures
+        print("engine", json.dumps(figures), flush=True)
+
+
+def table(report: dict[str, Any]) -> str:
+    limit = report["limit_GBps"]
+    lines = [
+        f"{report['device']}, torch {report['torch']}, {report['job_MiB']:.0f} MiB per job",
+        f"limit (pinned): {limit['d2h']:.1f} GB/s device->host, {limit['h2d']:.1f} host->device",
+        "",
+        f"{'copy, ratio to the limit':40} {'layout':6} {'gather':>6} {'scatter':>7} "
+        f"{'framed':>6} {'framed':>6} {'device':>7} bytes",
+    ]
+    for row in report.get("copy", []):
+        lines.append(
+            f"{row['case']:40} {row['layout']:6} {row['gather']:6.2f} {row['scatter']:7.2f} "
+            f"{row['gather_framed']:6.2f} {row['scatter_framed']:6.2f} "
+            f"{row['device_extra_MiB']:3.0f} MiB {'ok' if row['bytes_equal'] else 'WRONG'}"
+        )
+    lines.append("")
+    for row in report.get("jobs", []):
+        lines.append(
+            f"whole {row['MiB']:.0f} MiB job through {row['tiers']:9} store {row['store']:.2f}, "
+            f"load {row['load']:.2f} of the limit; submit {row['submit_ms']:.2f} ms; "
+            f"{'bytes ok' if row['bytes_equal'] else 'BYTES WRONG'}"
+        )
+    if "host" in report:
+        host = report["host"]
+        lines.append(
+            f"a store call with compute queued: {host['store_call_ms']:.3f} ms "
+            f"({host['blocks_per_call']} blocks)"
+        )
+    if "engine" in report:
+        eng, ours, alone = report["engine"], report["engine"]["hybridkv"], report["engine"]["alone"]
+        lines.append(
+            f"simulated engine, step time added: prefill {eng['prefill_added']:+.1%}, "
+            f"decode {eng['decode_added']:+.1%}; hits: {ours['hit_phase_s']:.3f} s "
+            f"({ours['hit_tokens']} tokens loaded), recomputed: {alone['hit_phase_s']:.3f} s"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="small jobs, few repetitions")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--reps", type=int, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device here; --device cpu runs the same code on CPU tensors")
+        return 2
+    job_bytes = (16 if args.quick else 512) * MIB
+    bench = Bench(device, job_bytes, args.reps or (2 if args.quick else 5))
+    bench.limit()
+    bench.copies()
+    with tempfile.TemporaryDirectory(prefix="hybridkv-bench-gpu-") as tmp:
+        bench.jobs(Path(tmp))
+    bench.host_time()
+    bench.engine(args.quick)
+    print(table(bench.report))
+    if args.json:
+        args.json.write_text(json.dumps(bench.report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
