@@ -170,10 +170,11 @@ class BlockCopier:
         return mark
 
     def copies_mark(self) -> CopyMark:
-        """A mark after every copy enqueued so far: done when it is."""
+        """A mark after every copy enqueued so far: done when it is. A thread waiting
+        for it sleeps (a default event would spin a core for the whole copy)."""
         if self._stream is None:
             return None
-        mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        mark = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         mark.record(self._stream)
         return mark
 

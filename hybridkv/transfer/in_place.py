@@ -11,9 +11,10 @@ cache; blocks the tier does not hold are read through staging as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, TierMemory
 from hybridkv.transfer.copier import BlockCopier, HostRows
@@ -32,29 +33,19 @@ class InPlaceCopies:
         """Reserve, gather, commit; a status per key. Marks the job enqueued once its
         copies are (``job.copies_mark``), then waits for them before committing."""
         keys = job_keys(job)
-        sizes = [self.copier.block_bytes(p.group_id) for p in job.parts for _ in p.keys]
-        reserved = self.memory.reserve_many(keys, sizes)
+        reserved = self.memory.reserve_many(keys, self._sizes(job))
         written = [isinstance(r, int) for r in reserved]
         held = [key for key, w in zip(keys, written, strict=True) if w]
         try:
-            start = 0
-            for part in job.parts:
-                n = len(part.block_ids)
-                rows = [k for k in range(n) if written[start + k]]
-                if rows:
-                    offsets = np.array([reserved[start + k] for k in rows], np.int64)
-                    self.copier.gather_at(
-                        part.group_id,
-                        [part.block_ids[k] for k in rows],
-                        HostRows(self.memory.memory, offsets),
-                        after=job.compute_mark,
-                    )
-                start += n
+            for group_id, block_ids, offsets in _placed(job, reserved):
+                rows = HostRows(self.memory.memory, offsets)
+                self.copier.gather_at(group_id, block_ids, rows, after=job.compute_mark)
             job.copies_mark = self.copier.copies_mark()
             job.enqueued.set()
             self.copier.wait_done(job.copies_mark)
             job.copies_mark = None
         except BaseException:
+            self.copier.wait_done(self.copier.copies_mark())  # none may land in freed room
             job.enqueued.set()
             self.memory.commit_many(held, [False] * len(held))
             raise
@@ -62,32 +53,38 @@ class InPlaceCopies:
         return [PutStatus.OK if isinstance(r, int) else r for r in reserved]
 
     def borrow(self, job: Job) -> Borrowed:
-        keys = job_keys(job)
-        sizes = [self.copier.block_bytes(p.group_id) for p in job.parts for _ in p.keys]
-        return self.memory.borrow_many(keys, sizes)
+        return self.memory.borrow_many(job_keys(job), self._sizes(job))
+
+    def _sizes(self, job: Job) -> list[int]:
+        return [self.copier.block_bytes(p.group_id) for p in job.parts for _ in p.keys]
 
     def scatter(self, job: Job, borrowed: Borrowed) -> None:
         """Copy the borrowed blocks into the caches (enqueued on CUDA: wait for
         ``copier.copies_mark()`` before releasing them)."""
-        start = 0
-        for part in job.parts:
-            n = len(part.block_ids)
-            rows = [k for k in range(n) if isinstance(borrowed[start + k], int)]
-            if rows:
-                offsets = np.array([borrowed[start + k] for k in rows], np.int64)
-                self.copier.scatter_at(
-                    part.group_id,
-                    [part.block_ids[k] for k in rows],
-                    HostRows(self.memory.memory, offsets),
-                    after=job.compute_mark,
-                )
-            start += n
+        for group_id, block_ids, offsets in _placed(job, borrowed):
+            rows = HostRows(self.memory.memory, offsets)
+            self.copier.scatter_at(group_id, block_ids, rows, after=job.compute_mark)
 
     def release(self, job: Job, borrowed: Borrowed) -> None:
         keys = job_keys(job)
         held = [key for key, b in zip(keys, borrowed, strict=True) if isinstance(b, int)]
         if held:
             self.memory.release_many(held)
+
+
+def _placed(
+    job: Job, answers: Sequence[object]
+) -> Iterator[tuple[int, list[int], npt.NDArray[np.int64]]]:
+    """Per part: the blocks whose answer is an offset in the tier's memory, and those
+    offsets (``answers`` holds one answer per key of the job, in job order)."""
+    start = 0
+    for part in job.parts:
+        mine = answers[start : start + len(part.block_ids)]
+        start += len(part.block_ids)
+        rows = [k for k, answer in enumerate(mine) if isinstance(answer, int)]
+        if rows:
+            offsets = np.array([mine[k] for k in rows], np.int64)
+            yield part.group_id, [part.block_ids[k] for k in rows], offsets
 
 
 def job_keys(job: Job) -> list[StoreKey]:

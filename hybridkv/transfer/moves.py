@@ -42,8 +42,7 @@ class JobMoves:
         into staging (None: the tier call follows)."""
         if self.in_place is not None and job.in_place:
             return self.in_place.store(job)
-        self.placement.gather(job)
-        job.enqueued.set()
+        self.placement.gather(job)  # marks the job enqueued
         return None
 
     def call_tier(self, job: Job) -> tuple[list[GetStatus] | list[PutStatus], str | None, Borrowed]:

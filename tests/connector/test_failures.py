@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hybridkv.connector.metadata import LoadOutcome
@@ -161,27 +162,35 @@ def test_other_process_lookup_sees_reported_cpu_keys_and_drops_bad_ones(tmp_path
     close_engine(engine)
 
 
-def test_store_backpressure_drops_blocks_and_sends_them_again(tmp_path: Path) -> None:
-    """Staging full (a first tier without memory of its own: stores go through staging)."""
-    layout = make_layout((FULL,))
-    config = make_config(tmp_path)
-    engine = make_engine(layout, config, store=TieredStore([DiskTier(disk_config(config))]))
-    tokens = prompt(33)
+def assert_dropped_then_sent_again(
+    engine: SimEngine, tokens: list[int], free_the_room: Callable[[], None]
+) -> None:
+    """The first step's 4 blocks find no room and are reported dropped; once the room is
+    back, a request computing the same blocks stores them."""
+    layout = engine.layout
     engine.add("a", tokens)
-    arena = engine.worker.engine.arena  # type: ignore[union-attr]
-    held = arena.allocate(arena.total_bytes)  # something else fills the staging arena
-    assert held is not None
-    engine.step({"a": 16})  # staging full: the 4 blocks are dropped, reported
+    engine.step({"a": 16})
     dropped = engine.reported("dropped")
     assert dropped == block_refs(layout, tokens, 0, range(4))
     assert engine.worker.stats.groups[0].store_dropped_blocks == 4
-    arena.free(held)
+    free_the_room()
     assert engine.finish("a") is False
     engine.add("b", tokens)  # computes the same blocks: they are sent again
     run_to_end(engine, "b", chunk=16)
     engine.settle()
     assert set(dropped) <= set(engine.reported("stored"))
     close_engine(engine)
+
+
+def test_store_backpressure_drops_blocks_and_sends_them_again(tmp_path: Path) -> None:
+    """Staging full (a first tier without memory of its own: stores go through staging)."""
+    layout = make_layout((FULL,))
+    config = make_config(tmp_path)
+    engine = make_engine(layout, config, store=TieredStore([DiskTier(disk_config(config))]))
+    arena = engine.worker.engine.arena  # type: ignore[union-attr]
+    held = arena.allocate(arena.total_bytes)  # something else fills the staging arena
+    assert held is not None
+    assert_dropped_then_sent_again(engine, prompt(33), lambda: arena.free(held))
 
 
 def test_a_full_cpu_tier_drops_blocks_and_they_are_sent_again(tmp_path: Path) -> None:
@@ -195,19 +204,9 @@ def test_a_full_cpu_tier_drops_blocks_and_they_are_sent_again(tmp_path: Path) ->
     assert memory is not None
     others = [StoreKey(f"other/{i}") for i in range(4)]
     assert all(isinstance(r, int) for r in memory.reserve_many(others, [block_bytes] * 4))
-    tokens = prompt(33)
-    engine.add("a", tokens)
-    engine.step({"a": 16})
-    dropped = engine.reported("dropped")
-    assert dropped == block_refs(layout, tokens, 0, range(4))
-    assert engine.worker.stats.groups[0].store_dropped_blocks == 4
-    memory.commit_many(others, [False] * 4)  # the room comes back
-    assert engine.finish("a") is False
-    engine.add("b", tokens)  # computes the same blocks: they are sent again
-    run_to_end(engine, "b", chunk=16)
-    engine.settle()
-    assert set(dropped) <= set(engine.reported("stored"))
-    close_engine(engine)
+    assert_dropped_then_sent_again(
+        engine, prompt(33), lambda: memory.commit_many(others, [False] * 4)
+    )
 
 
 def test_blocks_gone_from_every_tier_are_sent_again(tmp_path: Path) -> None:
