@@ -11,6 +11,7 @@ cache; blocks the tier does not hold are read through staging as before.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -19,6 +20,8 @@ import numpy.typing as npt
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, TierMemory
 from hybridkv.transfer.copier import BlockCopier, HostRows
 from hybridkv.transfer.jobs import Job
+
+logger = logging.getLogger(__name__)
 
 Borrowed = list[int | GetStatus]
 """Per key of a load: the object's offset in the tier's memory, or why not there."""
@@ -33,7 +36,12 @@ class InPlaceCopies:
         """Reserve, gather, commit; a status per key. Marks the job enqueued once its
         copies are (``job.copies_mark``), then waits for them before committing."""
         keys = job_keys(job)
-        reserved = self.memory.reserve_many(keys, self._sizes(job))
+        try:
+            reserved = self.memory.reserve_many(keys, self._sizes(job))
+        except Exception as exc:  # the tier's failure costs these blocks, never the engine
+            logger.warning("store job %d: reserving in the tier failed: %r", job.job_id, exc)
+            job.enqueued.set()
+            return [PutStatus.ERROR] * len(keys)
         written = [isinstance(r, int) for r in reserved]
         held = [key for key, w in zip(keys, written, strict=True) if w]
         try:
@@ -49,7 +57,11 @@ class InPlaceCopies:
             job.enqueued.set()
             self.memory.commit_many(held, [False] * len(held))
             raise
-        self.memory.commit_many(held, [True] * len(held))
+        try:
+            self.memory.commit_many(held, [True] * len(held))
+        except Exception as exc:
+            logger.warning("store job %d: committing in the tier failed: %r", job.job_id, exc)
+            return [PutStatus.ERROR if isinstance(r, int) else r for r in reserved]
         return [PutStatus.OK if isinstance(r, int) else r for r in reserved]
 
     def borrow(self, job: Job) -> Borrowed:

@@ -182,3 +182,22 @@ def test_a_borrowed_block_is_not_evicted_while_a_load_reads_it(
         assert memory.borrow_many(keys("e", 0, [1]), [block_bytes]) == [GetStatus.MISS]
         memory.release_many(keys("e", 0, [5]))
     cpu.check_integrity()
+
+
+def test_a_failing_tier_fails_the_store_never_the_caller(
+    caches: tuple[KVLayoutSpec, torch.Tensor, object], mode: dict[str, object]
+) -> None:
+    """A closed CPU tier raises on every call: the store is reported failed, the load
+    too, and neither raises into the engine's thread."""
+    _, buffer, canonical = caches
+    cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
+    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
+    with TransferEngine(canonical, TieredStore([cpu]), config) as engine:  # type: ignore[arg-type]
+        cpu.close()
+        parts = [TransferPart(0, [1, 2, 3], keys("f", 0, [1, 2, 3]))]
+        result = run(engine, engine.submit_store(parts))
+        assert not result.ok and result.failed_block_ids[0] == (1, 2, 3)
+        before = buffer.clone()
+        result = run(engine, engine.submit_load(parts))
+        assert not result.ok and torch.equal(buffer, before)
+        engine.check_integrity()
