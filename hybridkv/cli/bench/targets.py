@@ -79,7 +79,7 @@ def _restart_targets(summaries: Sequence[Summary]) -> list[Target]:
             Target(
                 name=f"{setup}: TTFT p50 from the tiers / from the engine's own cache",
                 value=_ratio(p50, own.ttft_ms["p50"]),
-                limit=1.15,
+                limit=1.10,
                 at_most=True,
             )
         )

@@ -90,7 +90,12 @@ class TieredStore(Tier):
         send_on = len(self.tiers) > 1
         self._memory = None if first is None else StoreMemory(first, self._send_on, send_on=send_on)
         self._write_back = (
-            WriteBack(self._write_lower, self._release_first, write_back_bytes)
+            WriteBack(
+                self._write_lower,
+                self._release_first,
+                write_back_bytes,
+                borrow_limit_bytes=self._borrow_limit(),
+            )
             if write_back and len(tiers) > 1
             else None
         )
@@ -255,6 +260,14 @@ class TieredStore(Tier):
             self._write_lower(keys, views)
         finally:
             self._release_first(keys)
+
+    def _borrow_limit(self) -> int | None:
+        """Bytes of the first tier the write-back may keep borrowed: half of it, so the
+        tier can still evict for new stores while the slower tiers lag (None: no limit
+        known)."""
+        usage = self._guard(0, "usage", None, self.tiers[0].usage)
+        capacity = None if usage is None else usage.capacity_bytes
+        return None if capacity is None else capacity // 2
 
     def _release_first(self, keys: list[StoreKey]) -> None:
         if self._first_memory is not None:

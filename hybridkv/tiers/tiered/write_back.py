@@ -4,11 +4,14 @@ Worker process. A block arrives either as a buffer its caller reuses at once,
 copied into this queue's own arena (allocated on first use), or as a borrowed
 view of the first tier's memory, queued without a copy and released once
 written. Both share one byte budget: past it a block is skipped (a borrowed
-one released at once).
+one released at once). Borrowed views pin the first tier's memory, which then
+cannot evict them to make room for new stores: past ``borrow_limit_bytes`` a
+borrowed view is copied like a buffer and its borrow released at once.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections import OrderedDict
@@ -47,6 +50,17 @@ class _Queued(NamedTuple):
     view of the first tier's memory, released once written."""
 
 
+class _Taken(enum.Enum):
+    """What became of a borrowed view offered to the queue."""
+
+    KEPT = "kept"
+    """Queued; the queue releases the borrow once written."""
+    QUEUED_ALREADY = "queued_already"
+    OVER_LIMIT = "over_limit"
+    """Borrowed views queued reach ``borrow_limit_bytes``: copy it instead."""
+    SKIPPED = "skipped"
+
+
 class WriteBack:
     """Stored blocks written to the lower tiers by one thread, copied or borrowed."""
 
@@ -55,12 +69,17 @@ class WriteBack:
         write: Callable[[list[StoreKey], list[Buffer]], int],
         release: Callable[[list[StoreKey]], None],
         capacity_bytes: int,
+        *,
+        borrow_limit_bytes: int | None = None,
     ) -> None:
         self._write = write
         """Puts a batch into the lower tiers; returns the number of failed (key, tier) writes."""
         self._release = release
         """Ends one borrow of each key in the first tier."""
         self.capacity_bytes = capacity_bytes
+        limit = borrow_limit_bytes
+        self.borrow_limit_bytes = capacity_bytes if limit is None else limit
+        """Bytes of borrowed views queued at most; more are copied."""
         self._arena: Buffer | None = None
         self._allocator = ExtentAllocator(capacity_bytes)
         self._borrowed_bytes = 0
@@ -77,13 +96,23 @@ class WriteBack:
         return [self._submit_copy(key, buf) for key, buf in zip(keys, buffers, strict=True)]
 
     def submit_borrowed_many(self, keys: Sequence[StoreKey], views: Sequence[Buffer]) -> list[bool]:
-        """Queue each borrowed view as it is; takes over one borrow of each key, released
-        once written, or at once where the key was queued already (True) or skipped (False)."""
-        with self._cond:
-            answers = [self._submit_borrowed(key, v) for key, v in zip(keys, views, strict=True)]
-        kept = [queued is True for queued in answers]
-        self._release_quietly([key for key, is_kept in zip(keys, kept, strict=True) if not is_kept])
-        return [queued is not False for queued in answers]
+        """Queue each borrowed view as it is while borrowed views stay within
+        ``borrow_limit_bytes``, else a copy of it. Takes over one borrow of each key,
+        released once written, or at once where it was copied, queued already (True)
+        or skipped (False)."""
+        answers: list[bool] = []
+        released: list[StoreKey] = []
+        for key, view in zip(keys, views, strict=True):
+            with self._cond:
+                taken = self._submit_borrowed(key, view)
+            if taken is not _Taken.KEPT:
+                released.append(key)
+            if taken is _Taken.OVER_LIMIT:
+                answers.append(self._submit_copy(key, view))
+            else:
+                answers.append(taken is not _Taken.SKIPPED)
+        self._release_quietly(released)
+        return answers
 
     def _submit_copy(self, key: StoreKey, buf: Buffer) -> bool:
         with self._cond:  # copying under the lock keeps cancel() exact; it takes microseconds
@@ -102,16 +131,17 @@ class WriteBack:
             self.stats.num_copied += 1
         return True
 
-    def _submit_borrowed(self, key: StoreKey, view: Buffer) -> bool | None:
-        """True: queued; None: queued already (this borrow is not kept); False: skipped."""
+    def _submit_borrowed(self, key: StoreKey, view: Buffer) -> _Taken:
         if key in self._queued or key in self._in_flight:
-            return None
+            return _Taken.QUEUED_ALREADY
+        if self._borrowed_bytes + len(view) > self.borrow_limit_bytes:
+            return _Taken.OVER_LIMIT
         if not self._fits(len(view)):
             self.stats.num_skipped += 1
-            return False
+            return _Taken.SKIPPED
         self._borrowed_bytes += len(view)
         self._enqueue(key, _Queued(view, None))
-        return True
+        return _Taken.KEPT
 
     def _fits(self, num_bytes: int) -> bool:
         used_bytes = self._allocator.allocated_bytes + self._borrowed_bytes

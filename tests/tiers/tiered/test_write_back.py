@@ -72,3 +72,24 @@ def test_cancel_and_close_release_the_borrows_they_drop() -> None:
     assert write_back.flush(30)
     assert lower.released == [key(1), key(2), key(0)] and list(lower.written) == [key(0)]
     write_back.check_integrity()
+
+
+def test_past_the_borrow_limit_views_are_copied_and_their_borrows_released() -> None:
+    """Borrowed views pin the first tier: past the limit the queue copies instead, so the
+    first tier can evict those blocks for new stores while the slower tiers lag."""
+    lower = Lower()
+    write_back = WriteBack(
+        lower.write, lower.released.extend, capacity_bytes=1 << 20, borrow_limit_bytes=250
+    )
+    views = [np.full(100, i, dtype=np.uint8) for i in range(4)]
+    assert write_back.submit_borrowed_many([key(i) for i in range(4)], views) == [True] * 4
+    assert lower.released == [key(2), key(3)], "two views fit the limit; two were copied"
+    for view in views:
+        view[:] = 77  # the first tier reuses the copied ones' memory at once
+    lower.gate.set()
+    assert write_back.flush(30)
+    assert lower.written[key(2)] == bytes([2]) * 100 and lower.written[key(3)] == bytes([3]) * 100
+    assert write_back.snapshot().num_copied == 2
+    assert sorted(lower.released) == sorted(map(key, range(4)))
+    write_back.check_integrity()
+    write_back.close(30)
