@@ -72,6 +72,16 @@ class ConnectorConfig:
         Number,
         Field(gt=0, allow_inf_nan=False, description="a load still running after this recomputes"),
     ] = 30.0
+    device_chunk_bytes: Annotated[
+        ByteSize,
+        Field(
+            ge=1 << 20,
+            description=(
+                "device memory each worker copies KV blocks through on a GPU (allocated "
+                "once; a block larger than this gets a chunk of its size)"
+            ),
+        ),
+    ] = 32 << 20
     hit_alignment_tokens: Annotated[
         StrictInt | None,
         Field(

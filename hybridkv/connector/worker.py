@@ -376,7 +376,9 @@ def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -
         store,
         tp_rank=tp_rank,
         tp_size=facts.tp_size,
-        transfer_config=TransferConfig(load_timeout_s=config.load_timeout_s),
+        transfer_config=TransferConfig(
+            load_timeout_s=config.load_timeout_s, device_chunk_bytes=config.device_chunk_bytes
+        ),
     )
 
 
