@@ -68,7 +68,9 @@ class TransferEngine:
         asynchronous = self.config.asynchronous
         self.asynchronous = self.copier.is_asynchronous if asynchronous is None else asynchronous
         memory = tier.memory()
-        self.in_place = None if memory is None else InPlaceCopies(memory, self.copier)
+        self.in_place = (
+            None if memory is None else InPlaceCopies(memory, self.copier, tier.put_many)
+        )
         pin = self.config.pin_memory
         if pin is None:
             pin = caches.device.type == "cuda"

@@ -6,18 +6,22 @@ room for each block there, gathers the blocks into it and commits what was
 copied; a load borrows the blocks the tier holds, scatters them from there
 and releases them once the copies are done (the tier never evicts or reuses
 a borrowed object). Each block is copied once, cache to tier or tier to
-cache; blocks the tier does not hold are read through staging as before.
+cache; blocks the tier does not hold are read through staging as before, and
+blocks its memory has no room for (all of it being written or read) are
+copied out and handed to the tier's ``put_many``, so a tiered store still
+sends them to its slower tiers.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
-from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, TierMemory
+from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, TierMemory
 from hybridkv.transfer.copier import BlockCopier, HostRows
 from hybridkv.transfer.jobs import Job
 
@@ -27,10 +31,15 @@ Borrowed = list[int | GetStatus]
 """Per key of a load: the object's offset in the tier's memory, or why not there."""
 
 
+Put = Callable[[list[StoreKey], list[Buffer]], list[PutStatus]]
+"""The tier's ``put_many``: where blocks the tier's memory has no room for go."""
+
+
 class InPlaceCopies:
-    def __init__(self, memory: TierMemory, copier: BlockCopier) -> None:
+    def __init__(self, memory: TierMemory, copier: BlockCopier, put: Put) -> None:
         self.memory = memory
         self.copier = copier
+        self.put = put
 
     def store(self, job: Job) -> list[PutStatus]:
         """Reserve, gather, commit; a status per key. Marks the job enqueued once its
@@ -44,10 +53,12 @@ class InPlaceCopies:
             return [PutStatus.ERROR] * len(keys)
         written = [isinstance(r, int) for r in reserved]
         held = [key for key, w in zip(keys, written, strict=True) if w]
+        spilled = [j for j, r in enumerate(reserved) if r is PutStatus.FULL]
         try:
             for group_id, block_ids, offsets in _placed(job, reserved):
                 rows = HostRows(self.memory.memory, offsets)
                 self.copier.gather_at(group_id, block_ids, rows, after=job.compute_mark)
+            buffers = self._gather_spilled(job, spilled)
             job.copies_mark = self.copier.copies_mark()
             job.enqueued.set()
             self.copier.wait_done(job.copies_mark)
@@ -57,12 +68,50 @@ class InPlaceCopies:
             job.enqueued.set()
             self.memory.commit_many(held, [False] * len(held))
             raise
+        statuses = [PutStatus.OK if isinstance(r, int) else r for r in reserved]
         try:
             self.memory.commit_many(held, [True] * len(held))
         except Exception as exc:
             logger.warning("store job %d: committing in the tier failed: %r", job.job_id, exc)
-            return [PutStatus.ERROR if isinstance(r, int) else r for r in reserved]
-        return [PutStatus.OK if isinstance(r, int) else r for r in reserved]
+            statuses = [PutStatus.ERROR if isinstance(r, int) else r for r in reserved]
+        for j, status in zip(spilled, self._put_spilled(job, keys, spilled, buffers), strict=True):
+            statuses[j] = status
+        return statuses
+
+    def _gather_spilled(self, job: Job, spilled: list[int]) -> list[Buffer]:
+        """Copies of the blocks the tier's memory had no room for (it was full of
+        objects being written or read), in ``spilled`` order."""
+        wanted = set(spilled)
+        buffers: list[Buffer] = []
+        start = 0
+        for part in job.parts:
+            rows = [k for k in range(len(part.block_ids)) if start + k in wanted]
+            start += len(part.block_ids)
+            if not rows:
+                continue
+            block_bytes = self.copier.block_bytes(part.group_id)
+            out = np.empty(len(rows) * block_bytes, np.uint8)
+            offsets = np.arange(len(rows), dtype=np.int64) * block_bytes
+            block_ids = [part.block_ids[k] for k in rows]
+            target = HostRows(torch.from_numpy(out), offsets)
+            self.copier.gather_at(part.group_id, block_ids, target, after=job.compute_mark)
+            buffers += [out[int(o) : int(o) + block_bytes] for o in offsets]
+        return buffers
+
+    def _put_spilled(
+        self, job: Job, keys: list[StoreKey], spilled: list[int], buffers: list[Buffer]
+    ) -> list[PutStatus]:
+        """Hand the spilled blocks to the tier's ``put_many``: a tiered store still
+        sends them to its slower tiers."""
+        if not spilled:
+            return []
+        try:
+            return self.put([keys[j] for j in spilled], buffers)
+        except Exception as exc:
+            logger.warning(
+                "store job %d: putting %d blocks failed: %r", job.job_id, len(spilled), exc
+            )
+            return [PutStatus.ERROR] * len(spilled)
 
     def borrow(self, job: Job) -> Borrowed:
         return self.memory.borrow_many(job_keys(job), self._sizes(job))

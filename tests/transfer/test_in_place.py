@@ -201,3 +201,34 @@ def test_a_failing_tier_fails_the_store_never_the_caller(
         result = run(engine, engine.submit_load(parts))
         assert not result.ok and torch.equal(buffer, before)
         engine.check_integrity()
+
+
+def test_blocks_the_cpu_tier_has_no_room_for_still_reach_the_disk_tier(
+    tmp_path: Path,
+    caches: tuple[KVLayoutSpec, torch.Tensor, object],
+    mode: dict[str, object],
+) -> None:
+    """One store larger than the CPU tier: what its memory cannot take goes through the
+    tiered store's put, so the disk tier gets every block and every block reads back."""
+    layout, buffer, canonical = caches
+    block_bytes = layout.groups[0].block_bytes
+    cpu = CpuTier(CpuConfig(capacity_bytes=4 * block_bytes, pin_memory=False))
+    disk = DiskTier(DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=16 << 20))
+    store = TieredStore([cpu, disk])
+    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
+    ids = list(range(1, 13))
+    parts = [TransferPart(0, ids, keys("big", 0, ids))]
+    with TransferEngine(canonical, store, config) as engine:  # type: ignore[arg-type]
+        result = run(engine, engine.submit_store(parts))
+        assert result.ok and result.ok_block_ids[0] == tuple(ids)
+        assert store.flush(30)
+        assert all(disk.contains_many(keys("big", 0, ids))), "every block reached the disk"
+        assert 0 < sum(cpu.contains_many(keys("big", 0, ids))) <= 4
+        saved = buffer.clone()
+        for t in canonical.tensors:  # type: ignore[attr-defined]
+            t[ids] = 0
+        assert run(engine, engine.submit_load(parts)).ok
+        assert torch.equal(buffer, saved)
+        engine.check_integrity()
+    store.check_integrity()
+    store.close()
