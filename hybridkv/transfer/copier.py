@@ -179,10 +179,6 @@ class BlockCopier:
         return mark
 
     @staticmethod
-    def is_done(mark: CopyMark) -> bool:
-        return mark is None or bool(mark.query())
-
-    @staticmethod
     def wait_done(mark: CopyMark) -> None:
         """Block the calling thread until ``mark`` is done (the GIL is released)."""
         if mark is not None:
