@@ -69,19 +69,6 @@ def write_header_into(
     _HEADER.pack_into(out.data, 0, MAGIC, VERSION, 0, len(payload), value, key_digest(key))
 
 
-def check_format(header: Bytes) -> HeaderError | None:
-    """Check only what needs no key: size, magic and version."""
-    raw = bytes(_view(header)[:HEADER_BYTES])
-    if len(raw) < HEADER_BYTES:
-        return HeaderError.TRUNCATED
-    magic, version, _, _, _, _ = _HEADER.unpack(raw)
-    if magic != MAGIC:
-        return HeaderError.BAD_MAGIC
-    if version != VERSION:
-        return HeaderError.BAD_VERSION
-    return None
-
-
 def verify_header(header: Bytes, key: StoreKey, payload_bytes: int) -> HeaderError | None:
     """Check magic, version, key and length; the checksum is checked separately."""
     raw = bytes(_view(header)[:HEADER_BYTES])
@@ -103,22 +90,6 @@ def _check_fields(
     if length != payload_bytes:
         return HeaderError.WRONG_LENGTH
     return None
-
-
-def header_checksum(header: Bytes) -> int:
-    _, _, _, _, value, _ = _HEADER.unpack(bytes(_view(header)[:HEADER_BYTES]))
-    return int(value)
-
-
-def header_digest(header: Bytes) -> bytes:
-    """The key digest a header carries (``key_digest`` of the key it was written under)."""
-    _, _, _, _, _, digest = _HEADER.unpack(bytes(_view(header)[:HEADER_BYTES]))
-    return bytes(digest)
-
-
-def header_length(header: Bytes) -> int:
-    _, _, _, length, _, _ = _HEADER.unpack(bytes(_view(header)[:HEADER_BYTES]))
-    return int(length)
 
 
 def verify_object(header: Bytes, key: StoreKey, payload: Buffer) -> HeaderError | None:
