@@ -60,10 +60,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_steps import StepEngine
 
 MIB = 1 << 20
-COPY_TARGET = 0.90
-STORE_TARGET = 0.80
-HOST_TARGET_MS = 1.0
-STEP_TARGET = 0.03
 LAYOUTS = {"LBNHC": KVLayoutKind.LAYER_MAJOR, "BLHNC": KVLayoutKind.BLOCK_MAJOR}
 """vLLM's GPU page layouts, by the storage kind they give a group's blocks."""
 

@@ -43,7 +43,6 @@ class StorePlanner:
         self._recent: BoundedKeySet[BlockRef] = BoundedKeySet(RECENT_STORES)
         self._storing: OrderedDict[BlockRef, int] = OrderedDict()
         """Blocks sent for storing -> ranks that have not confirmed them yet."""
-        self.num_blocks_planned = 0
 
     def plan(
         self, st: RequestState, req: ScheduledRequest, alignment_tokens: int
@@ -79,7 +78,6 @@ class StorePlanner:
                     [indices[n] for n in fresh],
                 )
             )
-            self.num_blocks_planned += len(fresh)
         if not transfers:
             return None
         return StoreSpec(req_id=req.req_id, transfers=tuple(transfers))

@@ -36,7 +36,6 @@ from hybridkv.tools.netns import Network, unavailable_reason
 from hybridkv.tools.pool import LocalPool
 from hybridkv.tools.pool_probe import time_reads
 
-HOSTS = "hosts"
 SUBNET = "10.213.71.0/24"
 """Addresses exist only inside the namespaces this mode makes and removes."""
 ENGINE_HOSTS = ("a", "b")
