@@ -131,10 +131,6 @@ class ConnectorConfig:
         return config
 
     @property
-    def uses_default_tiers(self) -> bool:
-        return self.tiers is None
-
-    @property
     def tier_configs(self) -> tuple[TierConfig, ...]:
         """The tiers to build: the given ones, or the embedded default."""
         if self.tiers is not None:

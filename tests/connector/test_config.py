@@ -38,7 +38,7 @@ def test_empty_config_is_cpu_then_disk_under_the_cache_dir_env(
     assert config.selection is Selection.PER_BLOCK
     assert config.hash_algo is HashAlgo.XXH3_128
     assert config.hit_alignment_tokens is None and config.model_id is None
-    assert config.uses_default_tiers
+    assert config.tiers is None
     assert ConnectorConfig.from_dict(None) == config
 
 
@@ -79,7 +79,7 @@ def test_explicit_tiers_replace_the_default(tmp_path: Path) -> None:
         {"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity_bytes": "1GiB"}]}
     )
     (disk,) = config.tier_configs
-    assert isinstance(disk, DiskConfig) and not config.uses_default_tiers
+    assert isinstance(disk, DiskConfig) and config.tiers is not None
 
 
 def test_each_rank_gets_its_own_disk_directory(tmp_path: Path) -> None:
