@@ -1,19 +1,21 @@
 """Hybrid longest-hit search: how many tokens of a request an external store can resume.
 
 Runs in the scheduler process; a pure algorithm whose only I/O is the caller's
-``contains`` callback. The answer equals vLLM's hybrid coordinator (cache-hit
-alignment ``alignment_tokens``, no sub-block hits): each kind of group either
-accepts the candidate length or shrinks it, and passes repeat until no group
-shrinks it. Unlike the engine's per-block dictionary probes, every group is
-asked at most once per pass, batched over every block index it needs in that
-pass; answers are remembered across passes.
+``contains`` callback, which only answers: what a caller does about blocks found
+absent it does after the search, from ``Hit.first_miss_token``. The answer
+equals vLLM's hybrid coordinator (cache-hit alignment ``alignment_tokens``, no
+sub-block hits): each kind of group either accepts the candidate length or
+shrinks it, and passes repeat until no group shrinks it. Unlike the engine's
+per-block dictionary probes, every group is asked at most once per pass,
+batched over every block index it needs in that pass; answers are remembered
+across passes.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -27,12 +29,16 @@ Contains = Callable[[int, Sequence[int]], Sequence[bool]]
 BoolArray = npt.NDArray[np.bool_]
 
 
-class Hit(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Hit:
     """Where a request can resume and which stored blocks each group needs for it."""
 
     num_tokens: int
     blocks_to_load: tuple[tuple[int, ...], ...]
     """Per group (same order as the groups), increasing block indices to load."""
+    first_miss_token: int | None = field(default=None, compare=False)
+    """First token of the earliest block ``contains`` answered absent (any group); None:
+    none was. A by-product of the search, not part of the answer."""
 
 
 def _as_bools(answer: object, num_asked: int, group_id: int) -> BoolArray | None:
@@ -117,6 +123,12 @@ class _SpecSearch:
         if ask.size and ask[-1] - ask[0] + 1 == ask.size:
             return range(int(ask[0]), int(ask[-1]) + 1)
         return ask
+
+    def first_miss_token(self) -> int | None:
+        """First token of the earliest block some group of the spec lacks."""
+        if not self.any_missing:
+            return None
+        return int(np.argmax(self.missing)) * self.group.block_size
 
 
 _BLOCK_IDS: tuple[int, ...] = tuple(range(1024))
@@ -245,7 +257,8 @@ def find_longest_hit(
             end = hit_tokens // search.group.block_size
         for group_id in search.group_ids:
             blocks[group_id] = _block_ids(first, end)
-    return Hit(hit_tokens, tuple(blocks))
+    misses = [t for search in searches if (t := search.first_miss_token()) is not None]
+    return Hit(hit_tokens, tuple(blocks), min(misses, default=None))
 
 
 def drafting_groups(

@@ -195,6 +195,15 @@ def test_all_problems_are_reported_at_once() -> None:
         find_longest_hit([full(4)], -3, Store([set()]).contains, alignment_tokens=6)
 
 
+def test_first_miss_token_is_the_earliest_block_answered_absent() -> None:
+    # window 8, block 4: full holds 0..9, the window lacks block 1 (token 4) and 4.
+    hit, _ = lookup([full(4), swa(4, 8)], [set(range(10)), {0, 2, 3, 5}], 31)
+    assert hit.num_tokens == 16
+    assert hit.first_miss_token == 4
+    everything, _ = lookup([full(4)], [set(range(100))], 23)
+    assert everything.first_miss_token is None
+
+
 def test_wrong_answer_length_from_contains_is_reported() -> None:
     with pytest.raises(ValueError, match=r"contains\(0, \.\.\.\) returned 1 answers for 3"):
         find_longest_hit([full(4)], 12, lambda g, ids: [True])
@@ -236,6 +245,14 @@ def test_matches_brute_force_reference(
         # Every block to load is stored, and only blocks below the hit are loaded.
         assert set(hit.blocks_to_load[g_id]) <= stored[g_id]
         assert all((i + 1) * group.block_size <= hit.num_tokens for i in hit.blocks_to_load[g_id])
+    # The search reports the earliest block any group was answered absent, and only it.
+    misses = [
+        i * groups[g_id].block_size
+        for g_id, ids in store.calls
+        for i in ids
+        if i not in stored[g_id]
+    ]
+    assert hit.first_miss_token == min(misses, default=None)
 
 
 def test_very_long_requests_get_plain_block_tuples() -> None:

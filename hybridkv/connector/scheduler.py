@@ -135,7 +135,10 @@ class ConnectorScheduler:
     def _find_hit(self, st: RequestState, max_hit_tokens: int) -> tuple[Hit, int | None]:
         """The longest hit over all tiers, or (whole request) from the best single tier."""
         if self.selection is Selection.PER_BLOCK or self.lookup_view.num_tiers == 1:
-            return self._search(st, max_hit_tokens, None), None
+            hit = self._search(st, max_hit_tokens, None)
+            if hit.first_miss_token is not None:  # in no tier at all: lost, or evicted
+                self._forget_sent_from(st.hasher.block_hashes, hit.first_miss_token)
+            return hit, None
         hits = [
             self._search(st, max_hit_tokens, tier_index)
             for tier_index in range(self.lookup_view.num_tiers)
@@ -146,34 +149,30 @@ class ConnectorScheduler:
         return (hits[0], None) if best is None else (hits[best], best)
 
     def _search(self, st: RequestState, max_hit_tokens: int, tier_index: int | None) -> Hit:
+        """The hit over every tier (``tier_index`` None) or one; asks, changes nothing."""
         chain = st.hasher.block_hashes
         # Blocks being stored land in the first tier first.
         count_storing = tier_index in (None, 0)
-        lost_from_tokens: list[int] = []
 
         def contains(group_id: int, indices: Sequence[int]) -> list[bool]:
             hashes = self.builders[0].block_hashes(group_id, chain, indices)
-            storing = [
-                count_storing and self.stores.is_storing(BlockRef(group_id, h)) for h in hashes
-            ]
             found = [True] * len(hashes)
-            for rank, builder in enumerate(self.builders):
-                todo = [i for i, s in enumerate(storing) if not s and found[i]]
+            todo = [
+                i
+                for i, h in enumerate(hashes)
+                if not (count_storing and self.stores.is_storing(BlockRef(group_id, h)))
+            ]
+            for rank, builder in enumerate(self.builders):  # stored: held by every rank
                 if not todo:
                     break
                 keys = builder.keys_of(group_id, (hashes[i] for i in todo))
                 answers = self.lookup_view.contains_many(keys, rank=rank, tier_index=tier_index)
                 for i, hit in zip(todo, answers, strict=True):
                     found[i] = hit
-            if tier_index is None:  # in no tier at all: lost from outside, or evicted
-                gone = [i for i, s in enumerate(storing) if not (s or found[i])]
-                self.stores.forget_sent([BlockRef(group_id, hashes[i]) for i in gone])
-                if gone:
-                    block_size = self.layout.groups[group_id].block_size
-                    lost_from_tokens.append(min(indices[i] for i in gone) * block_size)
+                todo = [i for i in todo if found[i]]
             return found
 
-        hit = find_longest_hit(
+        return find_longest_hit(
             self.layout.groups,
             max_hit_tokens,
             contains,
@@ -181,9 +180,6 @@ class ConnectorScheduler:
             use_eagle=self.use_eagle,
             eagle_group_ids=self.eagle_group_ids,
         )
-        if lost_from_tokens:
-            self._forget_sent_from(chain, min(lost_from_tokens))
-        return hit
 
     def _forget_sent_from(self, chain: Sequence[BlockHash], num_tokens: int) -> None:
         """Every group's blocks from token ``num_tokens`` on: the search stops at a group's
