@@ -38,8 +38,9 @@ import numpy as np
 import torch
 
 from hybridkv.cli.bench import describe_machine, machine
-from hybridkv.layout import KVLayoutKind, allocate_kv_caches
+from hybridkv.layout import KVLayoutKind
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import BlockCopier, StagingArena, runs
 from hybridkv.transfer.staging import PHASE_BYTES
 

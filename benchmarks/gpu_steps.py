@@ -23,9 +23,9 @@ from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.setup import lookup_for_store
 from hybridkv.connector.steps import ScheduledRequest, StepInput
 from hybridkv.connector.worker import ConnectorWorker
-from hybridkv.layout import AllocatedKVCaches
 from hybridkv.spec import KVLayoutSpec
 from hybridkv.tiers.tiered.store import TieredStore
+from hybridkv.tools.allocate import AllocatedKVCaches
 from hybridkv.transfer import TransferConfig
 
 

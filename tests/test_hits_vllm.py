@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hybridkv.hits import Hit, find_longest_hit
 from hybridkv.spec import GroupKind, KVGroup
-from hybridkv.spec.presets import deepseek_v4_flash, deepseek_v4_pro
+from hybridkv.tools.presets import deepseek_v4_flash, deepseek_v4_pro
 from tests.support.hits import (
     chunked,
     full,

@@ -28,7 +28,7 @@ from hybridkv.cli.tables import format_bytes
 from hybridkv.hits import find_longest_hit
 from hybridkv.spec import KVLayoutSpec
 from hybridkv.spec.kinds import rules_for
-from hybridkv.spec.presets import PRESETS, load_layout
+from hybridkv.tools.presets import PRESETS, load_layout
 
 DEFAULT_HIT_TOKENS = 32768
 

@@ -3,7 +3,6 @@
 Worker process (the one that owns the KV tensors).
 """
 
-from hybridkv.layout.allocate import AllocatedKVCaches, allocate_kv_caches
 from hybridkv.layout.canonical import (
     BlockSpan,
     CanonicalKVCaches,
@@ -13,11 +12,9 @@ from hybridkv.layout.canonical import (
 )
 
 __all__ = [
-    "AllocatedKVCaches",
     "BlockSpan",
     "CanonicalKVCaches",
     "KVLayoutKind",
     "PageRef",
-    "allocate_kv_caches",
     "canonicalize",
 ]

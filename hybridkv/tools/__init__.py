@@ -1,4 +1,5 @@
-"""Tools beside the library: locally built models and a local shared pool.
+"""Tools beside the library: locally built models, real models' KV layouts (presets),
+KV caches allocated like an engine's, and a local shared pool.
 
 Used by the command line, the tests and the benchmarks; nothing in the core
 packages imports them.

@@ -1,9 +1,10 @@
-"""KV caches allocated by hybridkv for engines (and tests) that let it choose the layout.
+"""KV caches allocated the way an engine would, for tests and benchmarks.
 
-Worker process. One zeroed buffer holds every layer; block ids come from one
-pool (groups share storage and a block belongs to whichever group allocated
-it). Block-major rows put a block's pages for every layer of its group side
-by side, so one copy moves a block.
+Runs in the process that stands in for an engine's worker. One zeroed buffer
+holds every layer; block ids come from one pool (groups share storage and a
+block belongs to whichever group allocated it). Block-major rows put a
+block's pages for every layer of its group side by side, so one copy moves a
+block.
 """
 
 from __future__ import annotations

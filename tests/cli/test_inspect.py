@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hybridkv.cli import main
 from hybridkv.cli.inspect import compute_report
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
-from hybridkv.spec.presets import deepseek_v4_flash, gemma3_27b, qwen3_next_80b_a3b
+from hybridkv.tools.presets import deepseek_v4_flash, gemma3_27b, qwen3_next_80b_a3b
 
 GEMMA_PAGE = 2 * 16 * 16 * 128 * 2  # K+V x block x KV heads x head_dim x bf16
 

@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.layout import KVLayoutKind, allocate_kv_caches
+from hybridkv.layout import KVLayoutKind
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
+from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import BlockCopier, TransferConfig, TransferEngine, TransferPart
 from hybridkv.transfer.copier import HostRows
 

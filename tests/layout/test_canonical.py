@@ -14,13 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.layout import (
-    CanonicalKVCaches,
-    KVLayoutKind,
-    allocate_kv_caches,
-    canonicalize,
-)
+from hybridkv.layout import CanonicalKVCaches, KVLayoutKind, canonicalize
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import StagingArena
 from tests.support.kv_caches import VllmAllocate, group, qwen_next_like, real_vllm_allocator
 
@@ -161,7 +157,7 @@ def test_block_major_with_uneven_groups_pads_rows_and_says_so(
             group(GroupKind.MAMBA, ("m.1", "m.2", "m.3"), 1000),
         )
     )
-    with caplog.at_level(logging.WARNING, logger="hybridkv.layout"):
+    with caplog.at_level(logging.WARNING, logger="hybridkv.tools.allocate"):
         allocate_kv_caches(even, 5, kind=KVLayoutKind.BLOCK_MAJOR)
         allocate_kv_caches(gemma_like(), 5, kind=KVLayoutKind.BLOCK_MAJOR)
     assert not caplog.records  # equal group blocks waste nothing: nothing to say
@@ -171,7 +167,7 @@ def test_block_major_with_uneven_groups_pads_rows_and_says_so(
             group(GroupKind.MAMBA, ("m.1", "m.2", "m.3"), 900),
         )
     )
-    with caplog.at_level(logging.WARNING, logger="hybridkv.layout"):
+    with caplog.at_level(logging.WARNING, logger="hybridkv.tools.allocate"):
         alloc = allocate_kv_caches(uneven, 5, kind=KVLayoutKind.BLOCK_MAJOR)
     assert alloc.kind is KVLayoutKind.BLOCK_MAJOR
     assert alloc.canonical.block_major == (True, True)

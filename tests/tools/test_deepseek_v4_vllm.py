@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hybridkv.integrations.vllm.facts import layout_from_config
 from hybridkv.spec import GroupKind, KVLayoutSpec
-from hybridkv.spec.presets import (
+from hybridkv.tools.presets import (
     DEEPSEEK_V4_FLASH_RATIOS,
     DEEPSEEK_V4_PRO_RATIOS,
     deepseek_v4_flash,

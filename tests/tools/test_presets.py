@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hybridkv.spec import GroupKind, KVLayoutSpec
-from hybridkv.spec.presets import (
+from hybridkv.tools.presets import (
     PRESETS,
     QWEN3_NEXT_STATE_BYTES,
     LayerKV,

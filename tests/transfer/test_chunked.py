@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.layout import KVLayoutKind, allocate_kv_caches
+from hybridkv.layout import KVLayoutKind
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import BlockCopier
 from hybridkv.transfer.chunked import MAX_SCRATCH_GAP_BYTES, ChunkedCopies, Piece, plan_pieces
 from hybridkv.transfer.copier import HostRows

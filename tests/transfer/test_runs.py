@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.layout import KVLayoutKind, allocate_kv_caches, canonicalize
+from hybridkv.layout import KVLayoutKind, canonicalize
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import BlockCopier
 from hybridkv.transfer.runs import LINE_BYTES, PREFETCH_BYTES, copy_runs
 

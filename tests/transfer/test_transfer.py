@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.layout import AllocatedKVCaches, KVLayoutKind, allocate_kv_caches, canonicalize
+from hybridkv.layout import KVLayoutKind, canonicalize
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tiers.base import (
     Buffer,
@@ -37,6 +37,7 @@ from hybridkv.tiers.codec import (
     verify_object,
     write_header_into,
 )
+from hybridkv.tools.allocate import AllocatedKVCaches, allocate_kv_caches
 from hybridkv.transfer import (
     BlockCopier,
     JobId,

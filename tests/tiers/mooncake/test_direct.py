@@ -12,12 +12,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybridkv.layout import allocate_kv_caches, canonicalize
+from hybridkv.layout import canonicalize
 from hybridkv.tiers.base import GetStatus, PutStatus
 from hybridkv.tiers.codec import HEADER_BYTES, checksum, pack_header
 from hybridkv.tiers.mooncake import direct
 from hybridkv.tiers.mooncake.config import MooncakeConfig
 from hybridkv.tiers.mooncake.tier import MooncakeTier
+from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.tools.pool import LocalPool
 from hybridkv.tools.servers import ServerRole
 from hybridkv.transfer import JobOutcome, JobResult, TransferConfig, TransferEngine, TransferPart
