@@ -1,5 +1,6 @@
-"""KV caches for layout and transfer tests: vLLM's own allocator for a Qwen3-Next-like
-model (attention + two Mamba groups), and its layout."""
+"""KV caches for layout, tools and transfer tests: vLLM's own allocator for a Qwen3-Next-like
+model (attention + two Mamba groups) and its layout, a Gemma-like layout, and brute-force
+readers of a block's bytes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from hybridkv.layout import CanonicalKVCaches
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 
 
@@ -75,3 +77,50 @@ def qwen_next_like(attn_page: int, mamba_page: int) -> KVLayoutSpec:
             group(GroupKind.MAMBA, ("m.2", "m.5"), mamba_page, block_size=64),
         )
     )
+
+
+def gemma_like(page: int = 4096) -> KVLayoutSpec:
+    """Sliding window + full attention, two layers each (vLLM groups layers 0,2 and 1,3)."""
+    return KVLayoutSpec(
+        groups=(
+            group(GroupKind.SLIDING_WINDOW, ("l.0", "l.2"), page),
+            group(GroupKind.FULL, ("l.1", "l.3"), page),
+        )
+    )
+
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def attention_shapes(layout: KVLayoutSpec, dtype: torch.dtype) -> Shapes:
+    """[kv_heads, block_size, C] pages, vLLM CPU style (K and V concatenated in C)."""
+    shapes: Shapes = {}
+    for g in layout.groups:
+        elements = g.page_size_bytes // dtype.itemsize
+        for name in g.layer_names:
+            shapes[name] = ((2, g.block_size, elements // (2 * g.block_size)), dtype)
+    return shapes
+
+
+def page_bytes(view: torch.Tensor, block_id: int) -> bytes:
+    """A page's bytes read through the engine-facing tensor (pages here are contiguous)."""
+    return view[block_id].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def reference_object(kv_caches: dict[str, torch.Tensor], g: KVGroup, block_id: int) -> bytes:
+    return b"".join(page_bytes(kv_caches[name], block_id) for name in g.layer_names)
+
+
+def object_via_spans(c: CanonicalKVCaches, group_id: int, block_id: int) -> bytes:
+    out = bytearray(c.layout.groups[group_id].block_bytes)
+    for span in c.group_block_spans(group_id):
+        row = c.tensors[span.tensor_idx][block_id]
+        chunk = row[span.offset_bytes : span.offset_bytes + span.num_bytes]
+        end = span.object_offset_bytes + span.num_bytes
+        out[span.object_offset_bytes : end] = chunk.numpy().tobytes()
+    return bytes(out)
+
+
+def fill_random(buffer: torch.Tensor, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    buffer.copy_(torch.randint(-128, 128, buffer.shape, dtype=torch.int8, generator=gen))
