@@ -30,8 +30,8 @@ Buffer = npt.NDArray[np.uint8]
 
 
 def buffer_address(buffer: Buffer) -> int:
-    """The address of ``buffer``'s first byte: a quarter of ``ctypes.data``'s ~2 us for a
-    writable buffer (as staging is), for paths that read it once a block."""
+    """The address of ``buffer``'s first byte, cheaper than ``ctypes.data`` for a writable
+    buffer (as staging is), for paths that read it once a block."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(buffer.data))
     except (TypeError, ValueError):  # read-only, or empty

@@ -136,7 +136,7 @@ def allocate_arena(num_bytes: int, *, pin_memory: bool | None) -> tuple[Buffer, 
             arena.fill(0)
             return arena, tensor
     # numpy aligns to 16 bytes only; copies into destinations off a page
-    # boundary run ~10% slower (bench_tiers), so start the arena on one.
+    # boundary run slower (bench_tiers), so start the arena on one.
     raw = np.empty(num_bytes + PAGE_BYTES, dtype=np.uint8)
     start = -raw.ctypes.data % PAGE_BYTES
     arena = raw[start : start + num_bytes]

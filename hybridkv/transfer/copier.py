@@ -8,8 +8,8 @@ Python loop over blocks.
 
 CPU: every copy of a call is one run of bytes (one span of one block), and
 all runs go to ``runs.copy_runs`` in one native call, which prefetches the
-next run while it copies one (``memcpy`` per block left 4-16 KiB blocks at
-0.75-0.85 of one long copy on AMD EPYC; see ``runs``). Runs that continue
+next run while it copies one (``memcpy`` per block stalls at the start of
+each block; see ``runs``). Runs that continue
 each other on both sides (adjacent blocks of a block-major cache, in order)
 merge into one. Runs go block by block in object order, so the row side is
 read or written front to back, unless spans of the group may share bytes

@@ -10,13 +10,9 @@ Why not ``memcpy`` per run (``np.take`` over ``void`` elements, torch's
 ``index_select``): at the start of each scattered run the hardware
 prefetcher has nothing to go on, so every run of a few KiB stalls on memory
 first; and glibc picks ``rep movsb`` for runs under half of L2, which some
-CPUs (AMD EPYC under KVM) run slower than their vector loop. Together that
-left 4-16 KiB blocks at 0.75-0.85 of one long copy; prefetching the next run
-brings them to the long copy's speed (``benchmarks/bench_transfer.py``). How
-much of it matters by CPU: prefetching only its first KiB was enough on
-AMD Zen 2, while on Zen 5 (AVX-512) 16 KiB gathers stayed at 0.75 of memcpy
-and 4 KiB-run gathers at 0.70; the whole next run brought them to 0.87-0.91
-and 0.76-0.79.
+CPUs (AMD EPYC under KVM) run slower than their vector loop. Prefetching the
+whole next run brings scattered blocks of a few KiB close to a long copy's
+speed (``benchmarks/bench_transfer.py``; figures in README, Performance).
 
 Runs that continue each other on both sides (blocks adjacent in the cache
 and in the staging rows) are joined and move as one run.
@@ -24,16 +20,13 @@ and in the staging rows) are joined and move as one run.
 Calls that move at least ``STREAM_MIN_BYTES`` store with non-temporal moves
 (each run's whole destination cache lines) and fence before returning, as
 glibc's memcpy does past its non-temporal threshold: an ordinary store first
-reads each destination line into cache, so scattering 4 KiB runs with them
-ran at 0.80 of one long memcpy here, and 0.90 with streaming stores (256 KiB
-blocks: 0.90 and 1.3-1.5). Smaller calls keep ordinary stores: what they
-write is likely read soon.
+reads each destination line into cache, which large scatters do not need.
+Smaller calls keep ordinary stores: what they write is likely read soon.
 
 ``copy_runs_hashed`` also takes each staging row's xxh3-64 right after the
 row's runs are copied, while it is still in cache: a tier that frames
-objects in staging then needs no second pass over the payloads (hashing
-256 KiB rows in cache runs at about 2.5x the speed of hashing them back from
-memory here). It calls the xxhash package's own compiled XXH3 through its
+objects in staging then needs no second pass over the payloads, which would
+read them back from memory. It calls the xxhash package's own compiled XXH3 through its
 exported symbol, so the checksum is the codec's by construction (checked at
 import).
 
@@ -104,8 +97,7 @@ def _copy_range(
         whole = offset + (size - offset) // LINE_BYTES * LINE_BYTES
         # The next run is prefetched a line for each line copied, so the whole of it is
         # on its way by the time it starts. Two loops, not one with a branch on
-        # ``streaming`` per line: numba left that branch in the loop, and 16 KiB
-        # layer-major copies fell from 0.96 to 0.80 of memcpy.
+        # ``streaming`` per line: numba leaves that branch in the loop, which slows it.
         ahead = 0
         if streaming:
             while offset < whole:

@@ -8,9 +8,9 @@ transfer engine calls it under its lock.
 
 The arena starts at the same address modulo a page as the KV caches
 (``address_phase``): a copy whose source and destination sit at different
-offsets within a cache line or page runs at 50-90% of one where they match
-(measured with ``np.take`` of 256 KiB blocks on an AMD EPYC Zen 4), so block
-rows that share the caches' phase copy at memcpy speed.
+offsets within a cache line or page runs slower than one where they match
+(README, Performance), so block rows that share the caches' phase copy at
+memcpy speed.
 """
 
 from __future__ import annotations

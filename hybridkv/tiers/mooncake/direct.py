@@ -32,8 +32,7 @@ ROOM_BYTES = 64
 CHUNK_BYTES = 64 << 20
 """Batches larger than this go in calls of about this size, two in flight, so one chunk's
 checksums run while Mooncake moves another. Each extra call costs more than it hides at
-smaller sizes: 64 x 256 KiB took a median 15.8 ms in one call, 17.2 in two, 21.1 in four
-(the raw client 13.9; loopback TCP, 2 cores, ``benchmarks/bench_pool.py``)."""
+smaller sizes (``benchmarks/bench_pool.py``; figures in README, Performance)."""
 MAX_CHUNKS = 4
 
 

@@ -15,24 +15,22 @@ windows and their order (``ShapeModel.groups``, checked on a real engine by
 ``tests/e2e/test_shapes_e2e.py`` for all but gemma3-1b, too large to build
 in tests) are the same everywhere; block and page sizes are the engine's
 choice and differ between CPUs: read them from the engine's
-``kv_cache_config``. The sizes and prefill times below are from a
-2-core AMD EPYC with avx512_bf16 (prefill: one 600-token prompt, one output
-token, warm engine, nothing else running; under ``nice`` beside other work
-on the 2 cores the same prefill took up to 10 times longer).
+``kv_cache_config``. The sizes below are from a 2-core AMD EPYC with
+avx512_bf16; each shape's prefill time is in README (Performance).
 
 * ``gemma3-270m``: Gemma 3 270M's shape: 18 layers, (S S S S S F) x 3,
   window 512, 4 heads, 1 KV head x 256, hidden 640 (about 121 M parameters,
   243 MB). KV per token: 1 KiB per layer. vLLM: 6 groups of 3 layers, five
   sliding window groups (layers 0 6 12, 1 7 13, 2 8 14, 3 9 15, 4 10 16)
   then the full group (5 11 17): 3 KiB per token per group. Block 32, page
-  32 KiB per layer. Prefill 0.5 s.
+  32 KiB per layer.
 * ``gemma3-1b``: Gemma 3 1B's shape: 26 layers, (S S S S S F) x 4 then S S,
   hidden 1152, otherwise as 270M (about 736 M parameters, 1.5 GB). KV per
   token: 1 KiB per layer. vLLM: groups of 4 layers (the smallest kind's
   count, the 4 full layers), the 22 sliding layers cut into 6 groups
   (layers 0 7 14 21, 1 8 15 22, 2 9 16 24, 3 10 18 25, 4 12 19, 6 13 20; the
   last two get a padding layer), then the full group (5 11 17 23). Block 32,
-  page 32 KiB per layer. Prefill 2.4 s.
+  page 32 KiB per layer.
 * ``qwen3-next-small``: Qwen3-Next's pattern at hidden 1024: 8 layers,
   (L L L F) x 2; full attention 8 heads, 2 KV heads x 256; gated delta net
   4 key / 8 value heads x 128, conv kernel 4; MoE of 8 experts, 2 per token
@@ -42,7 +40,7 @@ on the 2 cores the same prefill took up to 10 times longer).
   picks). vLLM: 3 Mamba groups (layers 0 4, 1 5, 2 6) then the full group
   (3 7). vLLM grows the attention block until a page holds the state: here
   a float32 state (536576 bytes), block 288 (every group), page 576 KiB per
-  layer. Prefill 0.45 s.
+  layer.
 * ``gpt-oss-small``: gpt-oss's pattern at hidden 768: 8 layers, (S F) x 4,
   window 128, 16 heads, 8 KV heads x 64, attention sinks, MoE of 8 experts,
   2 per token (about 183 M parameters, 365 MB). KV per token: 2 KiB per
@@ -52,7 +50,6 @@ on the 2 cores the same prefill took up to 10 times longer).
   the greedy token was the same). vLLM names its attention layers
   ``model.layers.N.attn.attn``. Groups: sliding window (0 2 4 6) then full
   (1 3 5 7), 8 KiB per token per group. Block 32, page 64 KiB per layer.
-  Prefill 0.33 s.
 
 Every shape asks for a 256 MiB KV cache: vLLM refuses to start unless one
 request of ``max_model_len`` tokens fits (with chunked prefill, a sliding
