@@ -85,7 +85,7 @@ def test_explicit_tiers_replace_the_default(tmp_path: Path) -> None:
 def test_each_rank_gets_its_own_disk_directory(tmp_path: Path) -> None:
     config = ConnectorConfig.from_dict({"cache_dir": str(tmp_path)})
     assert config.for_rank(0, 1) == config.tier_configs  # one rank: the path as given
-    paths = [config.for_rank(rank, 2)[1].path for rank in range(2)]  # type: ignore[union-attr]
+    paths = [config.for_rank(rank, 2)[1].paths.root for rank in range(2)]  # type: ignore[union-attr]
     assert paths == [tmp_path / "kv" / "tp0of2", tmp_path / "kv" / "tp1of2"]
     assert [t.kind for t in config.for_rank(1, 2)] == ["cpu", "disk"]
 

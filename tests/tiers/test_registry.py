@@ -47,7 +47,7 @@ def test_cpu_and_disk_configs_parse_into_typed_objects(tmp_path: Path) -> None:
     )
     cpu_tier, disk_tier = (build_tier(config) for config in configs)
     assert isinstance(cpu_tier, CpuTier) and cpu_tier.capacity_bytes == 1 << 20
-    assert isinstance(disk_tier, DiskTier) and disk_tier.root == tmp_path / "d"
+    assert isinstance(disk_tier, DiskTier) and disk_tier.paths.root == tmp_path / "d"
     assert disk_tier.load_weight == 2.0 and disk_tier.fsync is FsyncPolicy.ALWAYS
     disk_tier.check_integrity()
     disk_tier.close()
@@ -165,7 +165,9 @@ def test_each_kind_declares_who_can_see_it_and_where_it_keeps_objects(tmp_path: 
     ]
     # Another process may only look up and read; each rank owns its directory.
     assert disk.lookup_only().read_only and not disk.read_only
-    assert disk.for_rank(1, 4).path == tmp_path / "tp1of4" and disk.for_rank(0, 1) == disk
+    assert disk.for_rank(1, 4).paths.root == tmp_path / "tp1of4" and disk.for_rank(0, 1) == disk
+    ranked = disk.for_rank(1, 4).lookup_only()  # another process's view of rank 1
+    assert ranked.read_only and ranked.paths.root == tmp_path / "tp1of4"
     for config in (cpu, pool, valkey):
         assert config.lookup_only() == config and config.for_rank(1, 2) == config
     assert {type(c) for c in (cpu, disk, pool, valkey)} == set(TIER_CONFIGS)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 from typing import Annotated, ClassVar, Literal, Self
 
 from pydantic import Field, StrictBool, StrictInt
@@ -15,6 +14,7 @@ from pydantic.dataclasses import dataclass
 
 from hybridkv.schema import CONFIG, ByteSize, Number, UserPath
 from hybridkv.tiers.base import TierConfigBase, TierMedium, TierReach
+from hybridkv.tiers.disk.paths import DiskPaths, TpRank
 from hybridkv.tiers.disk.segments import PAGE
 
 MIN_BYTES = 3 * PAGE
@@ -93,6 +93,9 @@ class DiskConfig(TierConfigBase):
     read_only: Annotated[
         StrictBool, Field(description="never write: follow what the directory's writer stores")
     ] = False
+    rank: TpRank | None = dataclasses.field(default=None, init=False)
+    """Set by ``for_rank``, never by users: the rank whose own directory inside ``path``
+    the tier uses (``DiskPaths``)."""
 
     reach: ClassVar[TierReach] = TierReach.HOST
     medium: ClassVar[TierMedium] = TierMedium.DISK
@@ -110,15 +113,21 @@ class DiskConfig(TierConfigBase):
             return self.segment_bytes // PAGE * PAGE
         return default_segment_bytes(self.capacity_bytes)
 
+    @property
+    def paths(self) -> DiskPaths:
+        return DiskPaths(self.path, self.rank)
+
     def lookup_only(self) -> Self:
-        return dataclasses.replace(self, read_only=True)
+        return self._copy(rank=self.rank, read_only=True)
 
     def for_rank(self, tp_rank: int, tp_size: int) -> Self:
         if tp_size == 1:
             return self
-        return dataclasses.replace(self, path=self.path / f"tp{tp_rank}of{tp_size}")
+        return self._copy(rank=TpRank(tp_rank, tp_size), read_only=self.read_only)
 
-
-RANK_DIR = re.compile(r"tp\d+of\d+")
-"""Names of the per-rank directories ``for_rank`` makes inside the configured one: ours,
-so a symbolic link in place of one leads out of the tier's directory and is refused."""
+    def _copy(self, *, rank: TpRank | None, read_only: bool) -> Self:
+        """``rank`` is no constructor argument (users never set it), so
+        ``dataclasses.replace`` alone would drop it."""
+        copied = dataclasses.replace(self, read_only=read_only)
+        object.__setattr__(copied, "rank", rank)
+        return copied

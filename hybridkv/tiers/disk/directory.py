@@ -26,24 +26,22 @@ from typing import NamedTuple
 
 from hybridkv.tiers.base import TierStats
 from hybridkv.tiers.disk import segments
-from hybridkv.tiers.disk.config import RANK_DIR, DiskConfig, FsyncPolicy
+from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
 from hybridkv.tiers.disk.files import (
     MAX_QUARANTINE_COPY,
-    TEMP_PREFIX,
     Quarantine,
     make_private_dir,
     prepare_file,
     take_writer_lock,
     unlink,
 )
+from hybridkv.tiers.disk.paths import DiskPaths, is_temp, segment_seq
 from hybridkv.tiers.disk.segments import SLOT_BYTES, SlotState, slot_offset
 from hybridkv.tiers.disk.table import Entry, Segment, SegmentTable
 from hybridkv.tiers.log_once import LogOnce
 
 logger = logging.getLogger(__name__)
 
-LOCK_NAME = "writer.lock"
-QUARANTINE_NAME = "quarantine"
 REFRESH_EVERY_S = 1.0
 
 
@@ -65,10 +63,17 @@ class SegmentDirectory:
     """Segment files of one directory, and the scans that index them into ``table``."""
 
     def __init__(
-        self, config: DiskConfig, *, name: str, table: SegmentTable, stats: TierStats, log: LogOnce
+        self,
+        config: DiskConfig,
+        *,
+        name: str,
+        paths: DiskPaths,
+        table: SegmentTable,
+        stats: TierStats,
+        log: LogOnce,
     ) -> None:
         self.name = name
-        self.root = config.path
+        self.paths = paths
         self.read_only = config.read_only
         self.fsync = config.fsync
         self.capacity_bytes = config.capacity_bytes
@@ -82,14 +87,12 @@ class SegmentDirectory:
         self.last_refresh = 0.0
         self.last_sweep = time.monotonic()
         self.last_mtime_ns = 0
-        make_private_dir(self.root, symlink_ok=not RANK_DIR.fullmatch(self.root.name))
-        self.lock_fd = (
-            None if self.read_only else take_writer_lock(self.root / LOCK_NAME, tier_name=name)
-        )
-        self.quarantine = Quarantine(self.root / QUARANTINE_NAME, log)
+        make_private_dir(paths.root, symlink_ok=not paths.root_is_ours)
+        self.lock_fd = None if self.read_only else take_writer_lock(paths.lock, tier_name=name)
+        self.quarantine = Quarantine(paths.quarantine, log)
 
     def scan(self) -> ScanReport:
-        listing = segments.list_root(self.root, keep=frozenset((QUARANTINE_NAME, LOCK_NAME)))
+        listing = segments.list_root(self.paths.root, keep=self.paths.kept)
         num_temp = 0
         if not self.read_only:  # the writer lock says no one else is writing
             num_temp = sum(unlink(path, self.log) for path in listing.temps)
@@ -205,7 +208,7 @@ class SegmentDirectory:
     def refresh(self) -> None:
         """Follow the writer: drop segments gone from disk, add new ones, read new slots."""
         self.last_refresh = time.monotonic()
-        on_disk = segments.list_root(self.root).segments
+        on_disk = segments.list_root(self.paths.root).segments
         table = self.table
         for seq, segment in list(table.segments.items()):
             if seq not in on_disk and segment.readers == 0:
@@ -263,7 +266,7 @@ class SegmentDirectory:
         if self.read_only or time.monotonic() - self.last_sweep < REFRESH_EVERY_S:
             return
         self.last_sweep = time.monotonic()
-        listing = segments.list_root(self.root, keep=frozenset((QUARANTINE_NAME, LOCK_NAME)))
+        listing = segments.list_root(self.paths.root, keep=self.paths.kept)
         now = self.table.segments.values()
         ours = {s.seq for s in now} | {s.reuse_seq for s in now if not s.ready.is_set()}
         bad = [path for seq, path in listing.segments.items() if seq not in ours]
@@ -274,7 +277,7 @@ class SegmentDirectory:
 
     def open(self, segment: Segment) -> None:
         """Prepare a new segment's file (a new one, or an evicted one taken over)."""
-        temp = f"{self.root}/{TEMP_PREFIX}{os.getpid()}.{next(self.temp_ids)}"
+        temp = self.paths.temp(os.getpid(), next(self.temp_ids))
         reuse = segment.reuse
         if reuse is not None:
             reuse_fd, reuse.fd = reuse.fd, -1
@@ -399,16 +402,16 @@ class SegmentDirectory:
         now = list(self.table.segments.values())
         opening = [s for s in now if not s.ready.is_set()]
         skip = {s.seq for s in opening} | {s.reuse_seq for s in opening}
-        names = os.listdir(self.root)
+        names = os.listdir(self.paths.root)
         on_disk = {
-            seq: os.stat(self.root / name).st_size
+            seq: os.stat(self.paths.segment(seq)).st_size
             for name in names
-            if (m := segments.SEGMENT_NAME.match(name)) and (seq := int(m.group(1), 16)) not in skip
+            if (seq := segment_seq(name)) is not None and seq not in skip
         }
         known = {s.seq: s.size for s in now if s not in opening and not s.failed}
         assert on_disk == known, (
             f"segment files {on_disk} != segments {known}; files of no segment: "
-            f"{segments.describe_files(str(self.root), set(on_disk) - set(known))}"
+            f"{segments.describe_files(self.paths, set(on_disk) - set(known))}"
         )
-        temps = [name for name in names if name.startswith(TEMP_PREFIX)]
+        temps = [name for name in names if is_temp(name)]
         assert len(temps) <= len(opening), f"leaked temp files {temps}"

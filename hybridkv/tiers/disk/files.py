@@ -23,7 +23,6 @@ from hybridkv.tiers.log_once import LogOnce
 logger = logging.getLogger(__name__)
 
 IOV_MAX = 1024
-TEMP_PREFIX = ".tmp."
 MAX_QUARANTINE_FILES = 1024
 """Beyond this many quarantined files, bad data is dropped instead of kept."""
 MAX_QUARANTINE_COPY = 64 << 20

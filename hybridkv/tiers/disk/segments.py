@@ -5,7 +5,7 @@ writing bytes, is the slow part of storing one object per file (more than
 writing 256 KiB of it, on ext4; ``benchmarks/bench_tiers.py``), so the disk
 tier appends objects into large preallocated segment
 files and reuses a whole file when it evicts one. A segment file is named
-``<seq:016x>.seg`` (``seq`` grows with every new or reused file) and holds:
+``<seq:016x>.seg`` (``disk.paths``; ``seq`` grows with every new or reused file) and holds:
 
     [0, 4096)               segment header
     [4096, data_offset)     slot table: ``num_slots`` slots of 72 bytes
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import enum
 import os
-import re
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,8 @@ from typing import NamedTuple
 from hybridkv.tiers import codec
 from hybridkv.tiers.base import Buffer, StoreKey
 from hybridkv.tiers.codec import HEADER_BYTES, HeaderError
-from hybridkv.tiers.disk.files import TEMP_PREFIX, io_all
+from hybridkv.tiers.disk.files import io_all
+from hybridkv.tiers.disk.paths import DiskPaths, is_temp, segment_seq
 
 PAGE = 4096
 SEGMENT_MAGIC = b"HKVS"
@@ -56,7 +56,6 @@ _EMPTY, _LIVE, _DEAD = 0, 1, 2  # SlotState values, compared without enum lookup
 BYTES_PER_SLOT = 8192
 """Data bytes per table slot in a standard segment: objects smaller than this
 on average seal a segment before its data area is full."""
-SEGMENT_NAME = re.compile(r"^([0-9a-f]{16})\.seg$")
 _SCAN_CHUNK_SLOTS = 1024
 _ZEROS = memoryview(bytes(PAGE))
 
@@ -69,10 +68,6 @@ class SlotState(enum.IntEnum):
 
 def align_up(value: int, to: int = PAGE) -> int:
     return -(-value // to) * to
-
-
-def segment_name(seq: int) -> str:
-    return f"{seq:016x}.seg"
 
 
 def slot_offset(index: int) -> int:
@@ -159,12 +154,12 @@ def open_segment_file(path: str, seq: int, *, writable: bool) -> tuple[int, Segm
     return fd, header
 
 
-def describe_files(root: str, seqs: set[int]) -> dict[int, str]:
-    """What the header of each segment file ``seqs`` under ``root`` says (for the
-    message of an integrity failure)."""
+def describe_files(paths: DiskPaths, seqs: set[int]) -> dict[int, str]:
+    """What the header of each segment file ``seqs`` says (for the message of an
+    integrity failure)."""
     described = {}
     for seq in sorted(seqs):
-        opened = open_segment_file(f"{root}/{segment_name(seq)}", seq, writable=False)
+        opened = open_segment_file(paths.segment(seq), seq, writable=False)
         if isinstance(opened, str):
             described[seq] = opened
         else:
@@ -185,10 +180,10 @@ def list_root(root: Path, *, keep: frozenset[str] = frozenset()) -> RootListing:
     listing = RootListing({}, [], [])
     with os.scandir(root) as it:
         for entry in it:
-            match = SEGMENT_NAME.match(entry.name)
-            if match is not None and entry.is_file(follow_symlinks=False):
-                listing.segments[int(match.group(1), 16)] = entry.path
-            elif entry.name.startswith(TEMP_PREFIX):
+            seq = segment_seq(entry.name)
+            if seq is not None and entry.is_file(follow_symlinks=False):
+                listing.segments[seq] = entry.path
+            elif is_temp(entry.name):
                 listing.temps.append(entry.path)
             elif entry.name not in keep:
                 listing.others.append(entry)
@@ -275,7 +270,7 @@ class RecordInfo(NamedTuple):
 def iter_records(root: Path) -> Iterator[RecordInfo]:
     """Every live or dead object in the segment files under ``root``, read-only."""
     for path in sorted(root.iterdir()):
-        if not SEGMENT_NAME.match(path.name):
+        if segment_seq(path.name) is None:
             continue
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:

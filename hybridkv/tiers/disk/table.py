@@ -14,7 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from hybridkv.tiers.disk.segments import Geometry, SegmentHeader, align_up, segment_name
+from hybridkv.tiers.disk.paths import DiskPaths
+from hybridkv.tiers.disk.segments import Geometry, SegmentHeader, align_up
 
 MIN_PART_BYTES = 1 << 20
 """A get is cut into tasks for its I/O threads of at least this size."""
@@ -99,8 +100,8 @@ class FileWork:
 class SegmentTable:
     """Segments (least recently used first), the key index and bytes allocated."""
 
-    def __init__(self, root: str, capacity_bytes: int, geometry: Geometry) -> None:
-        self.root = root
+    def __init__(self, paths: DiskPaths, capacity_bytes: int, geometry: Geometry) -> None:
+        self.paths = paths
         self.capacity_bytes = capacity_bytes
         self.geometry = geometry
         self.segments: OrderedDict[int, Segment] = OrderedDict()
@@ -184,7 +185,7 @@ class SegmentTable:
             victims.append(victim)
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         header = SegmentHeader(seq, geometry.size, geometry.num_slots, geometry.data_offset, False)
-        segment = Segment(header, f"{self.root}/{segment_name(seq)}")
+        segment = Segment(header, self.paths.segment(seq))
         segment.cursor = geometry.data_offset
         if victims:
             segment.reuse, segment.reuse_seq = victims[0], victims[0].seq  # its file is ours

@@ -79,17 +79,17 @@ class DiskTier(Tier):
         self.capacity_bytes = config.capacity_bytes
         self.fsync = config.fsync
         self.read_only = config.read_only
-        self.root = config.path
+        self.paths = config.paths
         self.geometry = Geometry.standard(config.segment_size)
         # More parts than CPUs to run them on only adds hand-offs between threads.
         self._num_io_threads = min(config.num_io_threads, len(os.sched_getaffinity(0)))
-        self._table = SegmentTable(str(self.root), config.capacity_bytes, self.geometry)
+        self._table = SegmentTable(self.paths, config.capacity_bytes, self.geometry)
         self._stats = TierStats()
         self._lock = threading.Lock()
         self._log = LogOnce(logger, name)
         self._closed = False
         self._dir = SegmentDirectory(
-            config, name=name, table=self._table, stats=self._stats, log=self._log
+            config, name=name, paths=self.paths, table=self._table, stats=self._stats, log=self._log
         )
         try:
             with self._lock:
@@ -356,7 +356,9 @@ class DiskTier(Tier):
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
-            raise RuntimeError(f"disk tier {self.name} at {self.root} is read-only: cannot {what}")
+            raise RuntimeError(
+                f"disk tier {self.name} at {self.paths.root} is read-only: cannot {what}"
+            )
 
     def check_integrity(self) -> None:
         """Index vs segments vs counters vs the slot tables and files on disk."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from hybridkv.tiers.disk.paths import DiskPaths
 from hybridkv.tiers.disk.segments import PAGE, Geometry
 from hybridkv.tiers.disk.table import (
     Entry,
@@ -13,10 +16,11 @@ from hybridkv.tiers.disk.table import (
 )
 
 SEGMENT = Geometry.standard(2 * PAGE + 2 * 8192)  # two 8 KiB objects per segment
+NOWHERE = DiskPaths(Path("/nowhere"))
 
 
 def table(num_segments: int) -> SegmentTable:
-    return SegmentTable("/nowhere", num_segments * SEGMENT.size, SEGMENT)
+    return SegmentTable(NOWHERE, num_segments * SEGMENT.size, SEGMENT)
 
 
 def open_all(work: FileWork) -> None:
@@ -103,7 +107,7 @@ def test_runs_follow_consecutive_slots() -> None:
     grouped = runs([r for r in reversed(reserved) if isinstance(r, Reservation)])
     assert [[r.item for r in run] for run in grouped] == [[0, 1], [2]]  # two segments
     big = Geometry.standard(64 << 20)
-    t2 = SegmentTable("/nowhere", 64 << 20, big)
+    t2 = SegmentTable(NOWHERE, 64 << 20, big)
     many = [t2.reserve(i, f"m{i}", 1 << 20, FileWork()) for i in range(8)]
     run = [r for r in many if isinstance(r, Reservation)]
     assert [[r.item for r in run] for run in runs(run)] == [list(range(8))]
@@ -111,7 +115,7 @@ def test_runs_follow_consecutive_slots() -> None:
 
 def test_a_get_is_cut_into_one_task_per_thread_of_similar_bytes() -> None:
     big = Geometry.standard(64 << 20)
-    t = SegmentTable("/nowhere", 3 * big.size, big)
+    t = SegmentTable(NOWHERE, 3 * big.size, big)
     work = FileWork()
     # 70 objects of 1 MiB: two segments' worth (63 and 7), so two runs of slots.
     reserved = [t.reserve(i, f"k{i}", 1 << 20, work) for i in range(70)]
