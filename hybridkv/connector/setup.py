@@ -1,35 +1,33 @@
 """Building the connector's two sides from the user's config and the engine's facts.
 
 Any process. An engine adapter reads ``EngineFacts`` once and calls
-``build_scheduler`` (scheduler process) or ``build_worker`` (each worker
-process, one per tensor-parallel rank). A worker registers its store in its
-process; a scheduler in the same process (one rank) then looks up hits in
-that very store. Otherwise the scheduler opens lookup-only instances of the
-tiers other processes can see (each rank's), and answers for worker-private
-tiers (CPU memory) from the keys the workers report stored.
+``build_worker`` (each worker process, one per tensor-parallel rank) and
+``build_scheduler`` (scheduler process). Whoever builds both in one process
+(one rank) hands the worker's store to ``build_scheduler``, which then looks
+up hits in that very store. Otherwise the scheduler opens lookup-only
+instances of the tiers other processes can see (each rank's), and answers for
+worker-private tiers (CPU memory) from the keys the workers report stored.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import weakref
+import sys
 from dataclasses import dataclass
 
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.lookup import KeyLookup, LookupView, TierSlice
 from hybridkv.connector.scheduler import ConnectorScheduler
+from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.schema import ConfigError
 from hybridkv.spec import KVLayoutSpec
 from hybridkv.spec.kinds import GroupKind, rules_for
 from hybridkv.tiers.base import Tier, TierReach
 from hybridkv.tiers.registry import TierConfig, build_tier, build_tiers
 from hybridkv.tiers.tiered.store import TieredStore
+from hybridkv.transfer import TransferConfig
 
 logger = logging.getLogger(__name__)
-
-_LOCAL_STORES: weakref.WeakValueDictionary[str, TieredStore] = weakref.WeakValueDictionary()
-_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,7 +43,8 @@ class EngineFacts:
     eagle_group_ids: frozenset[int] = frozenset()
     """The groups that drop it (empty with ``use_eagle``: every group)."""
     engine_key: str = "engine"
-    """Tells this engine's scheduler and workers apart from other engines' in a process."""
+    """Tells this engine's scheduler and workers apart from other engines' in a process
+    (for an adapter that must find one side's objects from the other)."""
 
 
 def hit_alignment(config: ConnectorConfig, facts: EngineFacts) -> int:
@@ -83,17 +82,6 @@ def build_store(tier_configs: tuple[TierConfig, ...], config: ConnectorConfig) -
     return TieredStore(build_tiers(tier_configs), selection=config.selection)
 
 
-def register_local_store(engine_key: str, store: TieredStore) -> None:
-    with _LOCK:
-        _LOCAL_STORES[engine_key] = store
-
-
-def unregister_local_store(engine_key: str, store: TieredStore) -> None:
-    with _LOCK:
-        if _LOCAL_STORES.get(engine_key) is store:
-            del _LOCAL_STORES[engine_key]
-
-
 def lookup_for_store(store: TieredStore) -> KeyLookup:
     """Lookups straight against one worker's own store (same process, one rank)."""
     views: list[LookupView | None] = [TierSlice(store, i) for i in range(len(store.tiers))]
@@ -101,13 +89,21 @@ def lookup_for_store(store: TieredStore) -> KeyLookup:
     return KeyLookup([views], weights, union_views=[store])
 
 
-def build_lookup(config: ConnectorConfig, facts: EngineFacts) -> tuple[KeyLookup, list[Tier]]:
-    """The scheduler's lookup view and the lookup-only tiers it opened (close them)."""
-    with _LOCK:
-        local = _LOCAL_STORES.get(facts.engine_key)
-    if local is not None and facts.tp_size == 1:
+def build_lookup(
+    config: ConnectorConfig, facts: EngineFacts, *, worker_store: TieredStore | None = None
+) -> tuple[KeyLookup, list[Tier]]:
+    """The scheduler's lookup view and the lookup-only tiers it opened (close them).
+
+    ``worker_store``: the one worker's store, built in this process (one rank only).
+    """
+    if worker_store is not None:
+        if facts.tp_size != 1:
+            raise ValueError(
+                f"worker_store with tensor_parallel_size={facts.tp_size}: one store holds one "
+                "rank's blocks; pass it only with one rank"
+            )
         logger.info("hybridkv lookups use the worker's store in this process (every tier)")
-        return lookup_for_store(local), []
+        return lookup_for_store(worker_store), []
     opened: dict[TierConfig, Tier] = {}
     per_rank: list[list[LookupView | None]] = []
     try:
@@ -133,10 +129,14 @@ def build_lookup(config: ConnectorConfig, facts: EngineFacts) -> tuple[KeyLookup
 
 
 def build_scheduler(
-    config: ConnectorConfig, facts: EngineFacts
+    config: ConnectorConfig, facts: EngineFacts, *, worker_store: TieredStore | None = None
 ) -> tuple[ConnectorScheduler, list[Tier]]:
-    """The scheduler side and the lookup-only tiers it opened (close them at shutdown)."""
-    lookup, opened = build_lookup(config, facts)
+    """The scheduler side and the lookup-only tiers it opened (close them at shutdown).
+
+    ``worker_store``: the worker's store when the same process built it (one rank);
+    None: lookups from the tiers this process can open and the workers' reports.
+    """
+    lookup, opened = build_lookup(config, facts, worker_store=worker_store)
     scheduler = ConnectorScheduler(
         facts.layout,
         lookup,
@@ -148,3 +148,40 @@ def build_scheduler(
         eagle_group_ids=facts.eagle_group_ids or None,
     )
     return scheduler, opened
+
+
+def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -> ConnectorWorker:
+    """Rank ``tp_rank``'s worker side over its own tiers."""
+    if not 0 <= tp_rank < facts.tp_size:
+        raise ValueError(f"tp_rank={tp_rank} is not a rank of tensor_parallel_size={facts.tp_size}")
+    store = build_store(config.for_rank(tp_rank, facts.tp_size), config)
+    lower_switch_interval(config.thread_switch_interval_s)
+    return ConnectorWorker(
+        facts.layout,
+        store,
+        tp_rank=tp_rank,
+        tp_size=facts.tp_size,
+        transfer_config=TransferConfig(
+            load_timeout_s=config.load_timeout_s, device_chunk_bytes=config.device_chunk_bytes
+        ),
+    )
+
+
+def lower_switch_interval(interval_s: float | None) -> None:
+    """Lower the interpreter's thread switch interval to ``interval_s`` (None: leave it).
+
+    The engine's loop holds the interpreter lock while it runs; each time a transfer
+    or I/O thread comes back from a copy or a read it waits for the lock, up to one
+    switch interval. A load is hundreds of such returns, so Python's 5 ms default
+    adds up to hundreds of milliseconds per hit.
+    """
+    current = sys.getswitchinterval()
+    if interval_s is None or interval_s >= current:
+        return
+    sys.setswitchinterval(interval_s)
+    logger.info(
+        "hybridkv lowered Python's thread switch interval from %.2f ms to %.2f ms "
+        "(thread_switch_interval_s) so transfer threads are not starved",
+        current * 1e3,
+        interval_s * 1e3,
+    )

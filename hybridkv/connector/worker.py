@@ -14,7 +14,6 @@ that cannot be queued is dropped and reported.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -22,11 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.metadata import (
     BlockRef,
     BlockTransfer,
-    ConnectorMetadata,
     LoadOutcome,
     LoadResult,
     LoadSpec,
@@ -34,8 +31,6 @@ from hybridkv.connector.metadata import (
     StoreSpec,
     WorkerReport,
 )
-from hybridkv.connector.routing import RoutedStore
-from hybridkv.connector.setup import EngineFacts, build_store
 from hybridkv.connector.stats import WorkerStats
 from hybridkv.keys import KeyBuilder, KeyNamespace
 from hybridkv.layout import CanonicalKVCaches, canonicalize
@@ -93,7 +88,6 @@ class ConnectorWorker:
     ) -> None:
         self.layout = layout
         self.store = store
-        self.routed = RoutedStore(store)
         self.tp_rank = tp_rank
         self.keys = KeyBuilder(
             layout, KeyNamespace.for_layout(layout, tp_rank=tp_rank, tp_size=tp_size)
@@ -119,7 +113,7 @@ class ConnectorWorker:
         if self.engine is not None:
             raise RuntimeError("KV caches are already registered")
         self.caches = caches
-        self.engine = TransferEngine(caches, self.routed, self.transfer_config)
+        self.engine = TransferEngine(caches, self.store, self.transfer_config)
         logger.info("worker KV caches (rank %d): %s", self.tp_rank, caches.describe())
         return caches
 
@@ -148,10 +142,8 @@ class ConnectorWorker:
         now = time.monotonic()
         for spec in loads:
             outcome = LoadOutcome.OK if spec.planned else LoadOutcome.UNPLANNED
-            load = _Load(spec=spec, started=now, parts=self._split(spec.transfers), outcome=outcome)
-            if spec.tier_index is not None:
-                for p in load.parts:
-                    self.routed.route(p.part.keys, spec.tier_index)
+            parts = self._split(spec.transfers, tier_index=spec.tier_index)
+            load = _Load(spec=spec, started=now, parts=parts, outcome=outcome)
             self._loads[spec.req_id] = load
         self._submit_waiting(now)
 
@@ -169,12 +161,6 @@ class ConnectorWorker:
                 self._job_stores[job_id] = (p,)
                 self._storing.update(p.part.keys)
 
-    def handle_metadata(self, meta: ConnectorMetadata) -> None:
-        """Everything of one step at once (for engines without separate hooks)."""
-        self.cancel(meta.cancelled_req_ids)
-        self.start_loads(meta.loads)
-        self.save(meta.stores)
-
     def poll(self) -> WorkerReport:
         """Collect finished jobs; report loads that are complete and blocks stored."""
         if self.engine is not None:
@@ -189,10 +175,6 @@ class ConnectorWorker:
             if not load.jobs and not load.parts:
                 self._finish(req_id, load, now)
         return WorkerReport(ranks=(self._report.take(),))
-
-    @property
-    def num_loads_in_flight(self) -> int:
-        return len(self._loads)
 
     def wait_jobs(self, timeout_s: float | None = None) -> bool:
         """Block until every transfer job has its result (one given up on has it already)."""
@@ -213,8 +195,6 @@ class ConnectorWorker:
             k for parts in self._job_stores.values() for p in parts for k in p.part.keys
         )
         assert storing == +self._storing, "in-flight store keys out of sync"
-        if not self._loads:
-            assert self.routed.num_routes == 0, "tier routes of finished loads were kept"
 
     def close(self) -> None:
         if self.engine is not None:
@@ -228,8 +208,11 @@ class ConnectorWorker:
             raise RuntimeError("register the KV caches before moving blocks")
         return self.engine
 
-    def _split(self, transfers: Sequence[BlockTransfer]) -> list[_Part]:
-        """Jobs of at most one part per group and 1/JOB_SHARE of the staging arena."""
+    def _split(
+        self, transfers: Sequence[BlockTransfer], *, tier_index: int | None = None
+    ) -> list[_Part]:
+        """Jobs of at most one part per group and 1/JOB_SHARE of the staging arena; a
+        load's parts name the tier it reads from (None: the cheapest holding each block)."""
         limit = max(self._engine().max_job_bytes // JOB_SHARE, 1)
         parts: list[_Part] = []
         for t in transfers:
@@ -237,7 +220,8 @@ class ConnectorWorker:
             for start in range(0, len(t.block_ids), per_job):
                 hashes = t.block_hashes[start : start + per_job]
                 keys = self.keys.keys_of(t.group_id, hashes)
-                part = TransferPart(t.group_id, t.block_ids[start : start + per_job], keys)
+                block_ids = t.block_ids[start : start + per_job]
+                part = TransferPart(t.group_id, block_ids, keys, tier_index)
                 parts.append(_Part(part, tuple(BlockRef(t.group_id, h) for h in hashes)))
         return parts
 
@@ -266,8 +250,7 @@ class ConnectorWorker:
             self._job_loads[job_id] = (load.spec.req_id, waiting)
 
     def _drop_parts(self, load: _Load) -> None:
-        """Forget jobs never submitted (and their tier routes)."""
-        self.routed.unroute([k for p in load.parts for k in p.part.keys])
+        """Forget jobs never submitted."""
         load.parts.clear()
 
     def _expired(self, load: _Load, now: float) -> bool:
@@ -307,7 +290,6 @@ class ConnectorWorker:
         failed = _refs_of(part, result.failed_block_ids)
         if load.outcome is LoadOutcome.FAILED:
             self._report.missing += failed  # lookups stop offering them
-        self.routed.unroute(part.part.keys)
 
     def _finish(self, req_id: str, load: _Load, now: float) -> None:
         del self._loads[req_id]
@@ -363,40 +345,3 @@ class _ReportBuilder:
         )
         self.finished_loads, self.stored, self.missing, self.dropped = [], [], [], []
         return report
-
-
-def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -> ConnectorWorker:
-    """Rank ``tp_rank``'s worker side over its own tiers."""
-    if not 0 <= tp_rank < facts.tp_size:
-        raise ValueError(f"tp_rank={tp_rank} is not a rank of tensor_parallel_size={facts.tp_size}")
-    store = build_store(config.for_rank(tp_rank, facts.tp_size), config)
-    lower_switch_interval(config.thread_switch_interval_s)
-    return ConnectorWorker(
-        facts.layout,
-        store,
-        tp_rank=tp_rank,
-        tp_size=facts.tp_size,
-        transfer_config=TransferConfig(
-            load_timeout_s=config.load_timeout_s, device_chunk_bytes=config.device_chunk_bytes
-        ),
-    )
-
-
-def lower_switch_interval(interval_s: float | None) -> None:
-    """Lower the interpreter's thread switch interval to ``interval_s`` (None: leave it).
-
-    The engine's loop holds the interpreter lock while it runs; each time a transfer
-    or I/O thread comes back from a copy or a read it waits for the lock, up to one
-    switch interval. A load is hundreds of such returns, so Python's 5 ms default
-    adds up to hundreds of milliseconds per hit.
-    """
-    current = sys.getswitchinterval()
-    if interval_s is None or interval_s >= current:
-        return
-    sys.setswitchinterval(interval_s)
-    logger.info(
-        "hybridkv lowered Python's thread switch interval from %.2f ms to %.2f ms "
-        "(thread_switch_interval_s) so transfer threads are not starved",
-        current * 1e3,
-        interval_s * 1e3,
-    )

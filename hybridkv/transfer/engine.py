@@ -9,13 +9,15 @@ stands and returns, the copies run on the copier's stream after that compute,
 and the engine must not reuse those blocks before ``fence`` says so. A load
 borrows the blocks the tier's memory holds and scatters them from there;
 the rest are read into staging reserved at submit, and only blocks read OK
-are scattered. Loads run before queued stores. Every submitted job yields
-exactly one ``JobResult`` from ``poll_finished``. A job past its timeout, or
-cancelled, is reported failed at once; its staging stays reserved until the
-tier call returns, and a load's late bytes are never scattered. A tier that
-frames objects in place in staging (``Tier.register_staging``) gets header
-room in front of each block; while it says a call it gave up on may still
-touch staging (``staging_busy``), freed regions are parked, not reused.
+are scattered. A load part may name the one tier of a ``TieredStore`` it is
+read from (``TransferPart.tier_index``). Loads run before queued stores.
+Every submitted job yields exactly one ``JobResult`` from ``poll_finished``.
+A job past its timeout, or cancelled, is reported failed at once; its
+staging stays reserved until the tier call returns, and a load's late bytes
+are never scattered. A tier that frames objects in place in staging
+(``Tier.register_staging``) gets header room in front of each block; while
+it says a call it gave up on may still touch staging (``staging_busy``),
+freed regions are parked, not reused.
 """
 
 from __future__ import annotations
@@ -231,7 +233,9 @@ class TransferEngine:
     ) -> JobId | None:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
-        parts = check_parts(parts, self.caches.layout.num_groups, self.copier.check_block_ids)
+        num_tiers = self.moves.num_tiers if kind is JobKind.LOAD else None
+        num_groups = self.caches.layout.num_groups
+        parts = check_parts(parts, num_groups, self.copier.check_block_ids, num_tiers=num_tiers)
         in_place = self.in_place is not None and kind is JobKind.STORE
         offsets, total = self.placement.plan(parts)
         if in_place:

@@ -114,7 +114,15 @@ class InPlaceCopies:
             return [PutStatus.ERROR] * len(spilled)
 
     def borrow(self, job: Job) -> Borrowed:
-        return self.memory.borrow_many(job_keys(job), self._sizes(job))
+        """Borrow what the memory holds of the blocks it may serve: those of parts with
+        no chosen tier or the first (the memory is the first tier's); MISS for others."""
+        keys, sizes = job_keys(job), self._sizes(job)
+        here = [j for j, index in enumerate(job_tier_indexes(job)) if index in (None, 0)]
+        answers: Borrowed = [GetStatus.MISS] * len(keys)
+        borrowed = self.memory.borrow_many([keys[j] for j in here], [sizes[j] for j in here])
+        for j, answer in zip(here, borrowed, strict=True):
+            answers[j] = answer
+        return answers
 
     def _sizes(self, job: Job) -> list[int]:
         return [self.copier.block_bytes(p.group_id) for p in job.parts for _ in p.keys]
@@ -150,6 +158,11 @@ def _placed(
 
 def job_keys(job: Job) -> list[StoreKey]:
     return [key for part in job.parts for key in part.keys]
+
+
+def job_tier_indexes(job: Job) -> list[int | None]:
+    """Each key's chosen tier (its part's ``tier_index``)."""
+    return [part.tier_index for part in job.parts for _ in part.keys]
 
 
 def merge_statuses(borrowed: Borrowed, staged: Sequence[GetStatus]) -> list[GetStatus]:

@@ -43,6 +43,9 @@ class TransferPart(NamedTuple):
     group_id: int
     block_ids: Sequence[int]
     keys: Sequence[StoreKey]
+    tier_index: int | None = None
+    """A load's one source, ``tiers[tier_index]`` of a ``TieredStore`` (whole-request
+    selection; a single tier is index 0); None: the cheapest tier holding each block."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,13 +151,21 @@ def check_parts(
     parts: Sequence[TransferPart],
     num_groups: int,
     check_block_ids: Callable[[int, Sequence[int]], str | None],
+    *,
+    num_tiers: int | None,
 ) -> tuple[TransferPart, ...]:
-    """Validate a job's parts at the API boundary; ValueError names every problem."""
+    """Validate a job's parts at the API boundary; ValueError names every problem.
+
+    ``num_tiers``: the tiers a load part may name (None: a store, which names none).
+    """
     problems: list[str] = []
     checked: list[TransferPart] = []
     seen: set[int] = set()
     for i, raw in enumerate(parts):
-        group_id, block_ids, keys = raw
+        group_id, block_ids, keys, tier_index = TransferPart(*raw)
+        problem = _tier_index_problem(tier_index, num_tiers)
+        if problem:
+            problems.append(f"parts[{i}].{problem}")
         if not isinstance(group_id, int) or not 0 <= group_id < num_groups:
             problems.append(f"parts[{i}].group_id={group_id!r} not in [0, {num_groups})")
             continue
@@ -169,10 +180,23 @@ def check_parts(
         if problem:
             problems.append(f"parts[{i}]: {problem}")
         else:
-            checked.append(TransferPart(group_id, tuple(int(b) for b in block_ids), tuple(keys)))
+            block_ids = tuple(int(b) for b in block_ids)
+            checked.append(TransferPart(group_id, block_ids, tuple(keys), tier_index))
     if problems:
         raise ValueError("invalid transfer parts: " + "; ".join(problems))
     return tuple(checked)
+
+
+def _tier_index_problem(tier_index: object, num_tiers: int | None) -> str | None:
+    if tier_index is None:
+        return None
+    if num_tiers is None:
+        return f"tier_index={tier_index!r}: a store goes to every tier; leave it None"
+    if isinstance(tier_index, bool) or not isinstance(tier_index, int):
+        return f"tier_index={tier_index!r} must be an int or None"
+    if not 0 <= tier_index < num_tiers:
+        return f"tier_index={tier_index} not in [0, {num_tiers}): the store's tiers"
+    return None
 
 
 def build_result(

@@ -6,8 +6,10 @@ threads, the job states and the staging accounting. A store's blocks go into
 the tier's own memory when it has some (``in_place``), else into staging for
 ``Tier.put_many``. A load borrows the blocks the tier's memory holds and reads
 the rest into staging; only blocks read OK are scattered, and borrowed ones
-are released once their copies are done. A tier that raises fails the job's
-blocks; it never reaches the engine's threads.
+are released once their copies are done. A load part with a chosen tier
+(``TransferPart.tier_index``) is read from that tier of a ``TieredStore``
+only, and borrowed only when it is the first (whose memory that is). A tier
+that raises fails the job's blocks; it never reaches the engine's threads.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, Tier
+from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier
+from hybridkv.tiers.tiered.store import TieredStore
 from hybridkv.transfer.copier import BlockCopier
-from hybridkv.transfer.in_place import Borrowed, InPlaceCopies, merge_statuses
+from hybridkv.transfer.in_place import Borrowed, InPlaceCopies, job_tier_indexes, merge_statuses
 from hybridkv.transfer.jobs import Job, JobKind
 from hybridkv.transfer.placement import StagingPlacement
 
@@ -33,9 +36,16 @@ class JobMoves:
         in_place: InPlaceCopies | None,
     ) -> None:
         self.tier = tier
+        self.tiered = tier if isinstance(tier, TieredStore) else None
+        """The store whose tiers a load part may choose (None: one plain tier)."""
         self.copier = copier
         self.placement = placement
         self.in_place = in_place
+
+    @property
+    def num_tiers(self) -> int:
+        """How many tiers a load part may choose from (``TransferPart.tier_index``)."""
+        return 1 if self.tiered is None else len(self.tiered.tiers)
 
     def copy_out(self, job: Job) -> list[PutStatus] | None:
         """A store's copies: into the tier's memory (statuses: the store is done), or
@@ -71,22 +81,42 @@ class JobMoves:
         self, job: Job, keys: Sequence[StoreKey], borrowed: Borrowed
     ) -> list[GetStatus]:
         """Read what was not borrowed into staging; every key's status."""
+        tier_indexes = job_tier_indexes(job)
         if not borrowed:
-            job.staged_statuses = self.tier.get_many_into(keys, job.buffers)
+            job.staged_statuses = self._read(keys, job.buffers, tier_indexes)
             return job.staged_statuses
         rest = [j for j, b in enumerate(borrowed) if not isinstance(b, int)]
-        answers = (
-            self.tier.get_many_into([keys[j] for j in rest], [job.buffers[j] for j in rest])
-            if rest
-            else []
+        answers = self._read(
+            [keys[j] for j in rest], [job.buffers[j] for j in rest], [tier_indexes[j] for j in rest]
         )
-        if len(answers) != len(rest):
-            raise RuntimeError(f"tier returned {len(answers)} statuses for {len(rest)} keys")
         staged = [GetStatus.MISS] * len(keys)  # borrowed blocks are not scattered from staging
         for j, status in zip(rest, answers, strict=True):
             staged[j] = status
         job.staged_statuses = staged
         return merge_statuses(borrowed, answers)
+
+    def _read(
+        self, keys: Sequence[StoreKey], buffers: Sequence[Buffer], tier_indexes: list[int | None]
+    ) -> list[GetStatus]:
+        """Read each key from its chosen tier (None: the cheapest tier holding it)."""
+        if not keys:
+            return []
+        if self.tiered is None or all(index is None for index in tier_indexes):
+            statuses = self.tier.get_many_into(keys, buffers)
+        else:
+            statuses = [GetStatus.MISS] * len(keys)
+            for index in dict.fromkeys(tier_indexes):
+                picked = [j for j, i in enumerate(tier_indexes) if i == index]
+                answers = self.tiered.get_many_into(
+                    [keys[j] for j in picked], [buffers[j] for j in picked], tier_index=index
+                )
+                if len(answers) != len(picked):
+                    raise RuntimeError(f"tier returned {len(answers)} statuses for {len(picked)}")
+                for j, status in zip(picked, answers, strict=True):
+                    statuses[j] = status
+        if len(statuses) != len(keys):
+            raise RuntimeError(f"tier returned {len(statuses)} statuses for {len(keys)} keys")
+        return statuses
 
     def scatter(self, job: Job, borrowed: Borrowed) -> str | None:
         """Scatter the borrowed blocks and those read OK into staging; return once every

@@ -15,8 +15,7 @@ from hybridkv.connector.config import (
     DEFAULT_SWITCH_INTERVAL_S,
     ConnectorConfig,
 )
-from hybridkv.connector.setup import EngineFacts, hit_alignment
-from hybridkv.connector.worker import lower_switch_interval
+from hybridkv.connector.setup import EngineFacts, hit_alignment, lower_switch_interval
 from hybridkv.keys import HashAlgo
 from hybridkv.paths import default_cache_dir
 from hybridkv.schema import ConfigError

@@ -67,11 +67,7 @@ def make_remote_lookup(
     config: ConnectorConfig, layout: KVLayoutSpec
 ) -> tuple[KeyLookup, list[Tier]]:
     """The lookup a scheduler in another process than the worker builds."""
-    facts = EngineFacts(
-        layout=layout,
-        alignment_tokens=layout.scheduler_block_size,
-        engine_key="no-worker-in-this-process",
-    )
+    facts = EngineFacts(layout=layout, alignment_tokens=layout.scheduler_block_size)
     return build_lookup(config, facts)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from hybridkv.layout import KVLayoutKind
 from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
-from hybridkv.tiers.base import GetStatus, StoreKey
+from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.disk.tier import DiskTier
@@ -230,6 +230,59 @@ def test_blocks_the_cpu_tier_has_no_room_for_still_reach_the_disk_tier(
             t[ids] = 0
         assert run(engine, engine.submit_load(parts)).ok
         assert torch.equal(buffer, saved)
+        engine.check_integrity()
+    store.check_integrity()
+    store.close()
+
+
+def test_a_load_part_reads_only_the_tier_it_names(
+    tmp_path: Path,
+    caches: tuple[KVLayoutSpec, torch.Tensor, object],
+    mode: dict[str, object],
+) -> None:
+    """Whole-request selection: a part naming the disk tier reads every block from the
+    disk, even those the CPU tier's memory holds; one naming the CPU tier borrows from
+    its memory and never reads the disk, so a block only on disk fails."""
+    layout, buffer, canonical = caches
+    block_bytes = layout.groups[0].block_bytes
+    cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
+    disk = DiskTier(DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=16 << 20))
+    store = TieredStore([cpu, disk])
+    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
+    ids = [3, 5, 8, 13]
+    stored = keys("n", 0, ids)
+    with TransferEngine(canonical, store, config) as engine:  # type: ignore[arg-type]
+        assert run(engine, engine.submit_store([TransferPart(0, ids, stored)])).ok
+        assert store.flush(30) and all(disk.contains_many(stored))
+        # The CPU tier now holds other bytes under the same keys: the bytes loaded name
+        # the tier that served them.
+        assert cpu.delete_many(stored) == len(ids)
+        other = [np.full(block_bytes, 7, np.uint8) for _ in ids]
+        assert cpu.put_many(stored, other) == [PutStatus.OK] * len(ids)
+        saved = buffer.clone()
+        for t in canonical.tensors:  # type: ignore[attr-defined]
+            t[ids] = 0
+        cpu_gets, disk_gets = cpu.stats().gets, disk.stats().gets
+        from_disk = [TransferPart(0, ids, stored, tier_index=1)]
+        assert run(engine, engine.submit_load(from_disk)).ok
+        assert torch.equal(buffer, saved), "every block came from the disk tier"
+        assert disk.stats().gets == disk_gets + len(ids) and cpu.stats().gets == cpu_gets
+        from_cpu = [TransferPart(0, ids, stored, tier_index=0)]
+        assert run(engine, engine.submit_load(from_cpu)).ok
+        assert all(block_bytes_of(canonical, 0, b) == bytes([7]) * block_bytes for b in ids)
+        assert disk.stats().gets == disk_gets + len(ids), "the CPU tier served them all"
+        assert engine.arena.used_bytes == 0
+        # Only on disk now: a load naming the CPU tier misses it, its KV untouched.
+        assert cpu.delete_many(stored[:1]) == 1
+        for t in canonical.tensors:  # type: ignore[attr-defined]
+            t[ids[0]] = 9
+        result = run(engine, engine.submit_load(from_cpu))
+        assert result.failed_block_ids[0] == (ids[0],) and result.ok_block_ids[0] == tuple(ids[1:])
+        assert all(bool((t[ids[0]] == 9).all()) for t in canonical.tensors)  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match="tier_index=2 not in"):
+            engine.submit_load([TransferPart(0, ids, stored, tier_index=2)])
+        with pytest.raises(ValueError, match="a store goes to every tier"):
+            engine.submit_store([TransferPart(0, ids, stored, tier_index=0)])
         engine.check_integrity()
     store.check_integrity()
     store.close()

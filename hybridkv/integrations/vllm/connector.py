@@ -27,8 +27,8 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.metadata import ConnectorMetadata, LoadOutcome, WorkerReport
 from hybridkv.connector.metrics import Sample, scheduler_samples, worker_samples
 from hybridkv.connector.scheduler import ConnectorScheduler
-from hybridkv.connector.setup import build_scheduler, register_local_store, unregister_local_store
-from hybridkv.connector.worker import ConnectorWorker, build_worker
+from hybridkv.connector.setup import build_scheduler, build_worker
+from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.integrations.vllm.facts import engine_facts
 from hybridkv.integrations.vllm.metrics import (
     CounterDeltas,
@@ -43,9 +43,11 @@ from hybridkv.integrations.vllm.plumbing import (
     preferred_kv_cache_layout,
     step_input,
     tensor_parallel_rank,
+    worker_connector_in_process,
 )
 from hybridkv.spec import GroupKind
 from hybridkv.tiers.base import Tier, TierMedium
+from hybridkv.tiers.tiered.store import TieredStore
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +107,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._init_worker()
 
     def _init_scheduler(self, transfer_config: Any) -> None:
-        self._scheduler, self._lookup_tiers = build_scheduler(self.config, self.facts)
+        self._scheduler, self._lookup_tiers = build_scheduler(
+            self.config, self.facts, worker_store=self._worker_store_in_process()
+        )
         if transfer_config.kv_load_failure_policy != "recompute":
             # A cache that cannot load a block costs a recompute, never a failed request.
             logger.info("hybridkv sets kv_load_failure_policy='recompute' (it is a cache)")
@@ -123,8 +127,15 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _init_worker(self) -> None:
         rank = tensor_parallel_rank(self.facts.tp_size)
         self._worker = build_worker(self.config, self.facts, tp_rank=rank)
-        if self.facts.tp_size == 1:
-            register_local_store(self.facts.engine_key, self._worker.store)
+
+    def _worker_store_in_process(self) -> TieredStore | None:
+        """This engine's one worker's store, when vLLM built that worker in this process."""
+        other = worker_connector_in_process()
+        if self.facts.tp_size != 1 or not isinstance(other, HybridKVConnector):
+            return None
+        if other._worker is None or other.facts.engine_key != self.facts.engine_key:
+            return None
+        return other._worker.store
 
     # --- class-level hooks -----------------------------------------------------------
 
@@ -268,7 +279,6 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            unregister_local_store(self.facts.engine_key, self._worker.store)
             self._worker.close()
             self._worker = None
         for tier in self._lookup_tiers:

@@ -2,8 +2,9 @@
 
 vLLM's scheduler and worker processes. Wraps our step metadata and worker
 reports in vLLM's types, turns a ``SchedulerOutput`` into a ``StepInput``,
-asks for a block-major KV layout when the attention backends offer one, and
-finds a worker's tensor-parallel rank.
+asks for a block-major KV layout when the attention backends offer one,
+finds a worker's tensor-parallel rank, and the worker-role connector vLLM
+built in this process.
 """
 
 from __future__ import annotations
@@ -142,3 +143,22 @@ def tensor_parallel_rank(tp_size: int) -> int:
     if not 0 <= rank < tp_size:
         raise RuntimeError(f"hybridkv: tensor-parallel rank {rank} is outside 0..{tp_size - 1}")
     return rank
+
+
+def worker_connector_in_process() -> object | None:
+    """The worker-role connector vLLM built in this process, if any.
+
+    vLLM builds each role's connector itself; with one rank its engine core
+    runs the worker in its own process and builds the worker's connector
+    before the scheduler's, so the scheduler's can read the worker's store.
+    """
+    try:
+        from vllm.distributed.kv_transfer.kv_transfer_state import (
+            get_kv_transfer_group,
+            has_kv_transfer_group,
+        )
+
+        return get_kv_transfer_group() if has_kv_transfer_group() else None
+    except Exception as exc:  # an internal API moved: look up hits as another process would
+        logger.info("hybridkv: cannot read this process's worker connector (%r)", exc)
+        return None
