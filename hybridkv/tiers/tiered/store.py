@@ -29,7 +29,7 @@ from hybridkv.tiers.base import (
     TierUsage,
     check_batch,
 )
-from hybridkv.tiers.selection import Selection, pick_whole_request_tier
+from hybridkv.tiers.selection import Selection
 from hybridkv.tiers.tiered.in_place import StoreMemory
 from hybridkv.tiers.tiered.write_back import WriteBack, WriteBackStats
 
@@ -120,14 +120,6 @@ class TieredStore(Tier):
             self._stats.misses += len(keys) - sum(found)
         return found
 
-    def contains_many_by_tier(self, keys: Sequence[StoreKey]) -> list[list[bool]]:
-        """``result[tier_index][j]``: whether that tier holds ``keys[j]``."""
-        return [self._contains_in(index, keys) for index in range(len(self.tiers))]
-
-    def choose_tier(self, hit_tokens_per_tier: Sequence[int]) -> int | None:
-        """The WHOLE_REQUEST winner for these per-tier hit lengths (None: no hit)."""
-        return pick_whole_request_tier(hit_tokens_per_tier, [t.load_weight for t in self.tiers])
-
     def _contains_in(self, index: int, keys: Sequence[StoreKey]) -> list[bool]:
         return self._batch(index, "contains", False, self.tiers[index].contains_many, keys)
 
@@ -177,7 +169,8 @@ class TieredStore(Tier):
     def _promote(
         self, keys: Sequence[StoreKey], buffers: Sequence[Buffer], sources: Sequence[int]
     ) -> None:
-        """Best effort: copy blocks read from other tiers into the first CPU tier."""
+        """Best effort: copy blocks read from other tiers into the first tier that
+        ``accepts_promotions``."""
         target = self._promote_to
         moved = [j for j, source in enumerate(sources) if source not in (-1, target)]
         if target is not None and moved:

@@ -113,10 +113,8 @@ def test_per_block_reads_each_block_from_the_cheapest_tier_holding_it(
     expected_version = 1 if expect_source == "cpu" else 2
     assert np.array_equal(outs[1], payload(both, version=expected_version))
     assert store.contains_many([only_disk, both, nowhere]) == [True, True, False]
-    assert store.contains_many_by_tier([only_disk, both, nowhere]) == [
-        [False, True, False],
-        [True, True, False],
-    ]
+    by_tier = [store.contains_many([only_disk, both, nowhere], tier_index=i) for i in (0, 1)]
+    assert by_tier == [[False, True, False], [True, True, False]]
     store.check_integrity()
 
 
@@ -153,10 +151,11 @@ def test_whole_request_picks_one_tier_by_hit_tokens_per_cost(tmp_path: Path) -> 
     store = TieredStore(
         [cpu_tier, disk_tier], selection=Selection.WHOLE_REQUEST, promote=False, write_back=False
     )
-    assert store.choose_tier([100, 300]) == 0  # 100 / 1 beats 300 / 4
-    assert store.choose_tier([100, 500]) == 1  # 500 / 4 beats 100 / 1
-    assert store.choose_tier([0, 0]) is None
-    assert store.choose_tier([16, 64]) == 0  # a tie goes to the earlier tier
+    weights = [tier.load_weight for tier in store.tiers]
+    assert pick_whole_request_tier([100, 300], weights) == 0  # 100 / 1 beats 300 / 4
+    assert pick_whole_request_tier([100, 500], weights) == 1  # 500 / 4 beats 100 / 1
+    assert pick_whole_request_tier([0, 0], weights) is None
+    assert pick_whole_request_tier([16, 64], weights) == 0  # a tie goes to the earlier tier
     k = key("both")
     cpu_tier.put_many([k], [payload(k, version=1)])
     disk_tier.put_many([k], [payload(k, version=2)])
@@ -201,7 +200,7 @@ def test_promotion_goes_to_the_first_tier_declaring_it_accepts_them(tmp_path: Pa
     k = key("promoted")
     source.put_many([k], [payload(k)])
     assert read(store, [k])[0] == [GetStatus.OK]
-    assert store.contains_many_by_tier([k]) == [[False], [True], [True]]
+    assert [store.contains_many([k], tier_index=i) for i in range(3)] == [[False], [True], [True]]
     statuses, outs = read(taker, [k])
     assert statuses == [GetStatus.OK] and np.array_equal(outs[0], payload(k))
     store.check_integrity()
