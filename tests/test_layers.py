@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "hybridkv.paths": 0,
     "hybridkv.schema": 0,
     "hybridkv.native": 0,
+    "hybridkv.metric_fields": 0,
     "hybridkv.tiers": 1,
     "hybridkv.spec": 2,
     "hybridkv.keys": 3,

@@ -1,6 +1,7 @@
 """Monotonic counters of the scheduler and worker sides (per process, never reset).
 
-Plain data. ``hybridkv.connector.metrics`` names them for export.
+Plain data. Each exported field declares its metric (``hybridkv.metric_fields``);
+``hybridkv.connector.metrics`` builds the catalog and the samples from them.
 """
 
 from __future__ import annotations
@@ -8,44 +9,55 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hybridkv.connector.metadata import LoadOutcome
+from hybridkv.metric_fields import counter, counters, histogram
 
 MAX_UNEXPORTED = 1 << 14
+_GROUP = ("group", "kind")
 
 
 @dataclass(kw_only=True)
 class SchedulerStats:
-    lookups: int = 0
-    lookup_tokens: int = 0
-    """Tokens asked about (beyond what the engine had)."""
-    lookup_hits: int = 0
-    """Lookups that found tokens to load."""
-    hit_tokens: int = 0
-    loads_planned: int = 0
-    loads_unplanned: int = 0
-    """The engine asked for a load the lookup could not back: recomputed."""
+    lookups: int = counter("Hit lookups (one per scheduling attempt of a request)")
+    lookup_tokens: int = counter("Tokens looked up beyond the engine's own cache")
+    lookup_hits: int = counter("Lookups that found tokens to load")
+    hit_tokens: int = counter("Tokens the lookups found to load")
+    loads_planned: int = counter(
+        "Loads planned for the tokens a lookup found (every rank then finishes each)"
+    )
+    loads_unplanned: int = counter(
+        "Loads the engine asked for but the connector could not plan (recomputed)"
+    )
 
 
 @dataclass(kw_only=True)
 class GroupCounts:
     """Blocks and bytes of one KV cache group."""
 
-    loaded_blocks: int = 0
-    loaded_bytes: int = 0
-    load_failed_blocks: int = 0
-    stored_blocks: int = 0
-    stored_bytes: int = 0
-    store_dropped_blocks: int = 0
+    loaded_blocks: int = counter("Blocks loaded into the KV cache", labels=_GROUP)
+    loaded_bytes: int = counter("Bytes loaded into the KV cache", labels=_GROUP)
+    load_failed_blocks: int = counter("Blocks that failed to load", labels=_GROUP)
+    stored_blocks: int = counter("Blocks stored (or already present)", labels=_GROUP)
+    stored_bytes: int = counter("Bytes stored", labels=_GROUP)
+    store_dropped_blocks: int = counter(
+        "Blocks not stored (backpressure, a full or failing tier)", labels=_GROUP
+    )
 
 
 @dataclass(kw_only=True)
 class WorkerStats:
-    loads: dict[LoadOutcome, int] = field(default_factory=lambda: dict.fromkeys(LoadOutcome, 0))
-    """Finished loads by outcome."""
-    load_seconds_sum: float = 0.0
-    load_store_waits: int = 0
-    """Load parts that waited for the store of their blocks (read-your-writes)."""
-    unexported_load_seconds: list[float] = field(default_factory=list)
+    loads: dict[LoadOutcome, int] = counters(
+        lambda: dict.fromkeys(LoadOutcome, 0),
+        "Finished loads per rank, by outcome",
+        labels=("outcome",),
+    )
+    load_store_waits: int = counter(
+        "Load parts that waited for the store of their blocks (read-your-writes)"
+    )
+    unexported_load_seconds: list[float] = histogram(
+        list, "Seconds from a load's start to its last block", name="load_seconds"
+    )
     """Durations of finished loads not yet taken by a metrics exporter (bounded)."""
+    load_seconds_sum: float = 0.0
     groups: list[GroupCounts] = field(default_factory=list)
 
     def add_load_seconds(self, seconds: float) -> None:

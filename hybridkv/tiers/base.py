@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, ClassVar, NewType, Self
 import numpy as np
 import numpy.typing as npt
 
+from hybridkv.metric_fields import counter, gauge
+
 if TYPE_CHECKING:
     import torch  # only where a tier exposes its memory; lookups never load it
 
@@ -56,28 +58,44 @@ class PutStatus(enum.Enum):
     ERROR = "error"
 
 
+_TIER = ("tier",)
+
+
 @dataclass(kw_only=True)
 class TierStats:
-    """Monotonic counters of one tier (reset only by a new process)."""
+    """Monotonic counters of one tier (reset only by a new process), each declared with
+    the metric the connector exports it as."""
 
-    queries: int = 0
+    queries: int = counter("Keys asked about", name="tier_lookup_keys", labels=_TIER)
     """Keys asked about in ``contains_many``."""
-    hits: int = 0
+    hits: int = counter("Keys a lookup found", name="tier_hits", labels=_TIER)
     """Keys found by ``contains_many``."""
     misses: int = 0
-    puts: int = 0
-    put_bytes: int = 0
-    put_skipped_full: int = 0
-    gets: int = 0
-    get_bytes: int = 0
-    corrupt: int = 0
-    errors: int = 0
-    evictions: int = 0
+    gets: int = counter("Objects read", name="tier_reads", labels=_TIER)
+    get_bytes: int = counter("Bytes read", name="tier_read_bytes", labels=_TIER)
+    puts: int = counter("Objects written", name="tier_writes", labels=_TIER)
+    put_bytes: int = counter("Bytes written", name="tier_written_bytes", labels=_TIER)
+    put_skipped_full: int = counter("Writes skipped: no room", name="tier_full_skips", labels=_TIER)
+    corrupt: int = counter(
+        "Objects that failed their checksum (never loaded)",
+        name="tier_corrupt_objects",
+        labels=_TIER,
+    )
+    errors: int = counter(
+        "Calls that failed (answered as misses)", name="tier_errors", labels=_TIER
+    )
+    evictions: int = counter("Objects or segments evicted", name="tier_evictions", labels=_TIER)
     deletes: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = counter(
+        "Tokens of whole-request hits served", name="tier_hit_tokens", labels=_TIER
+    )
     """Tokens of hits served by this tier, as reported by the connector."""
-    pending_loads: int = 0
-    """A gauge, not a counter: keys being loaded from this tier right now."""
+    pending_loads: int = gauge(
+        "Keys being read from the tier when the metrics were taken",
+        name="tier_pending_loads",
+        labels=_TIER,
+    )
+    """Set by the tiered store, which makes the reads."""
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

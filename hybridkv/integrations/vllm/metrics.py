@@ -21,7 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from hybridkv.connector.metrics import CATALOG, PREFIX, MetricType, Sample
+from hybridkv.connector.metrics import CATALOG, Sample
+from hybridkv.metric_fields import PREFIX, MetricType
 
 COUNTERS = "counters"
 """``data[COUNTERS]``: ``[[name, [label values], delta], ...]``."""
