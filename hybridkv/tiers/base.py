@@ -70,7 +70,6 @@ class TierStats:
     """Keys asked about in ``contains_many``."""
     hits: int = counter("Keys a lookup found", name="tier_hits", labels=_TIER)
     """Keys found by ``contains_many``."""
-    misses: int = 0
     gets: int = counter("Objects read", name="tier_reads", labels=_TIER)
     get_bytes: int = counter("Bytes read", name="tier_read_bytes", labels=_TIER)
     puts: int = counter("Objects written", name="tier_writes", labels=_TIER)
@@ -85,7 +84,6 @@ class TierStats:
         "Calls that failed (answered as misses)", name="tier_errors", labels=_TIER
     )
     evictions: int = counter("Objects or segments evicted", name="tier_evictions", labels=_TIER)
-    deletes: int = 0
     hit_tokens: int = counter(
         "Tokens of whole-request hits served", name="tier_hit_tokens", labels=_TIER
     )

@@ -116,7 +116,6 @@ class CpuTier(Tier):
             found = [self._index.find(key) is not None for key in keys]
             self._stats.queries += len(keys)
             self._stats.hits += sum(found)
-            self._stats.misses += len(keys) - sum(found)
         return found
 
     # Through buffers ---------------------------------------------------------------
@@ -259,7 +258,6 @@ class CpuTier(Tier):
             present = [key for key in dict.fromkeys(keys) if self._index.find(key) is not None]
             for key in present:
                 self._index.drop(key)
-            self._stats.deletes += len(present)
         return len(present)
 
     def usage(self) -> TierUsage:

@@ -119,7 +119,6 @@ class DiskTier(Tier):
                 found = [digest in index for digest in digests]
             self._stats.queries += len(keys)
             self._stats.hits += sum(found)
-            self._stats.misses += len(keys) - sum(found)
         return found
 
     def _any_lost(self, digests: Sequence[str]) -> bool:
@@ -315,7 +314,6 @@ class DiskTier(Tier):
                 self._table.forget(digest, entry)
                 self._dir.mark_dead(entry.segment, entry.slot)
                 num_deleted += 1
-            self._stats.deletes += num_deleted
         return num_deleted
 
     def usage(self) -> TierUsage:

@@ -117,7 +117,6 @@ class TieredStore(Tier):
         with self._lock:
             self._stats.queries += len(keys)
             self._stats.hits += sum(found)
-            self._stats.misses += len(keys) - sum(found)
         return found
 
     def _contains_in(self, index: int, keys: Sequence[StoreKey]) -> list[bool]:
@@ -273,8 +272,6 @@ class TieredStore(Tier):
         present = self.contains_many(keys)
         for index, tier in enumerate(self.tiers):
             self._guard(index, "delete", 0, tier.delete_many, keys)
-        with self._lock:
-            self._stats.deletes += sum(present)
         return sum(present)
 
     def register_staging(self, staging: Buffer) -> int:
