@@ -6,7 +6,10 @@ connector's extra config, each tier kind, a layout file) is a frozen,
 each field declares its type, bounds, default and a one-line description.
 ``parse`` turns raw input into such an object; bad input raises one
 ``ConfigError`` that lists every problem with where it is, the value given
-and what is allowed. ``field_docs`` describes the fields, for ``hybridkv
+and what is allowed. Objects that code builds (a layout's groups, key
+namespaces, transfer settings) declare their fields the same way and call
+``check_fields``, so a value made in code meets the same declarations as one
+read from a file. ``field_docs`` describes the fields, for ``hybridkv
 config`` and the README tables, so docs and code cannot drift.
 """
 
@@ -18,11 +21,23 @@ import functools
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple, get_args, get_origin
+from typing import Annotated, Any, ClassVar, NamedTuple, cast, get_args, get_origin
 
-from pydantic import BeforeValidator, ConfigDict, JsonValue, TypeAdapter, ValidationError
+import typing_extensions
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+)
 from pydantic.fields import FieldInfo
 
 CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=False)
@@ -87,6 +102,27 @@ def _number(value: object) -> object:
 Number = Annotated[float, BeforeValidator(_number)]
 """A float given as a JSON number (int or float; never a bool or a string)."""
 
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+"""An int > 0; never a bool, a float or a string (unlike pydantic's own)."""
+
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+
+Seconds = Annotated[Number, Field(gt=0, allow_inf_nan=False)]
+"""A duration: a positive, finite number of seconds."""
+
+
+def _distinct(items: Sequence[object]) -> Sequence[object]:
+    repeated = [item for item, count in Counter(items).items() if count > 1]
+    if repeated:
+        raise ValueError(f"has duplicates {repeated}: give each once")
+    return items
+
+
+Distinct = AfterValidator(_distinct)
+"""``Annotated[tuple[X, ...], Distinct]``: no item twice."""
+
 
 class ConfigError(ValueError):
     """Bad configuration; the message lists every problem."""
@@ -115,12 +151,16 @@ def format_errors(kind: Any, exc: ValidationError, *, where: str) -> str:
     return "\n".join([head, *(f"  - {line}" for line in unique)])
 
 
+_SHOULD = re.compile(r"^(?:Input|String|Tuple|List|Dictionary) should")
+
+
 def _problem(kind: Any, error: Mapping[str, Any]) -> str:
     path, owner, field_name = _resolve(kind, tuple(error["loc"]))
     kind_of_error = error["type"]
     secret = owner is not None and field_name is not None and _is_secret(owner, field_name)
     shown = "<hidden>" if secret else _short(error.get("input"))
-    message = str(error["msg"]).removeprefix("Value error, ").replace("Input should be", "must be")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    message = _SHOULD.sub("must", message).replace(" after validation", "")
     if kind_of_error in ("unexpected_keyword_argument", "extra_forbidden"):
         allowed = ", ".join(_field_names(owner)) if owner is not None else "?"
         return f"{path}: unknown key; allowed keys: {allowed}"
@@ -232,6 +272,67 @@ def _description(owner: Any, name: str) -> str:
 
 def _field_names(owner: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(owner) if f.init]
+
+
+# --- objects built in code ----------------------------------------------------------
+
+
+class Problems:
+    """What is wrong with one object built in code, raised as one ``ConfigError``.
+
+    ``check_fields`` fills it from the field types; the object then adds the
+    rules across fields that no type can state, asking ``valid`` first so that
+    a rule never reads a value its type already refused.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.lines: list[str] = []
+        self.invalid_fields: set[str] = set()
+
+    def valid(self, *names: str) -> bool:
+        """Whether the fields ``names`` hold values of their declared types."""
+        return self.invalid_fields.isdisjoint(names)
+
+    def add(self, lines: Iterable[str]) -> None:
+        self.lines.extend(lines)
+
+    def raise_if_any(self) -> None:
+        if self.lines:
+            raise ConfigError(f"invalid {self.owner}: " + "; ".join(self.lines))
+
+
+def check_fields(obj: object) -> Problems:
+    """The problems of ``obj``'s fields (its class's public annotations) by their types.
+
+    Strict, unlike ``parse``: no JSON conversions (a kind's name for its enum, a
+    list for a tuple), since code passes the typed values themselves. Each line
+    reads ``field=value: what is allowed``.
+    """
+    owner: Any = type(obj)
+    adapter, names = _fields_adapter(owner)
+    problems = Problems(owner.__name__)
+    try:
+        adapter.validate_python({name: getattr(obj, name) for name in names}, strict=True)
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False):
+            problems.invalid_fields.add(str(error["loc"][0]))
+            problems.lines.append(_problem(owner, error))
+    return problems
+
+
+@functools.cache
+def _fields_adapter(owner: type) -> tuple[TypeAdapter[Any], tuple[str, ...]]:
+    hints = typing.get_type_hints(owner, include_extras=True)
+    fields = {
+        name: tp
+        for name, tp in hints.items()
+        if not name.startswith("_") and tp is not ClassVar and get_origin(tp) is not ClassVar
+    }
+    # A TypedDict of the fields: validating it builds no object, so a dataclass's
+    # own __post_init__ is not run again (typing_extensions': pydantic's need on 3.11).
+    typed_dict = cast(Any, typing_extensions.TypedDict)(f"{owner.__name__}Fields", fields)
+    return TypeAdapter(typed_dict), tuple(fields)
 
 
 # --- documentation -------------------------------------------------------------------

@@ -272,7 +272,7 @@ def test_bad_hasher_arguments_are_reported_together() -> None:
     with pytest.raises(ValueError) as info:
         RequestBlockHasher(0, algo="sha256", cache_salt=3)  # type: ignore[arg-type]
     message = str(info.value)
-    for fragment in ("hash_block_size=0 must be > 0", "algo='sha256'", "cache_salt=3"):
+    for fragment in ("hash_block_size=0: must be greater than 0", "algo='sha256'", "cache_salt=3"):
         assert fragment in message
 
 
@@ -317,9 +317,10 @@ def test_invalid_namespace_lists_every_problem() -> None:
         KeyNamespace(model_id="", layout_fingerprint="XYZ", tp_rank=0, tp_size=1)
     message = str(info.value)
     assert "model_id=''" in message and "layout_fingerprint='XYZ'" in message
+    assert "use KVLayoutSpec.fingerprint" in message
     with pytest.raises(ValueError, match=r"tp_rank=2 must be in \[0, tp_size=2\)"):
         KeyNamespace(model_id="m", layout_fingerprint="ab", tp_rank=2, tp_size=2)
-    with pytest.raises(ValueError, match="tp_size=0 must be >= 1"):
+    with pytest.raises(ValueError, match="tp_size=0: must be greater than 0"):
         KeyNamespace(model_id="m", layout_fingerprint="ab", tp_rank=0, tp_size=0)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Annotated, Literal
 
 import pytest
@@ -17,7 +18,11 @@ from hybridkv.schema import (
     SECRET,
     ByteSize,
     ConfigError,
+    Distinct,
     Number,
+    PositiveInt,
+    Seconds,
+    check_fields,
     field_docs,
     parse,
     parse_byte_size,
@@ -40,6 +45,22 @@ class Outer:
     def __post_init__(self) -> None:
         if len(self.items) > 2:
             raise ValueError(f"at most 2 items, got {len(self.items)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Built:
+    """An object code builds: held to its declared field types when made."""
+
+    size: PositiveInt
+    names: Annotated[tuple[str, ...], Distinct] = ()
+    timeout_s: Seconds | None = None
+    limit: PositiveInt = 8
+
+    def __post_init__(self) -> None:
+        problems = check_fields(self)
+        if problems.valid("size", "limit") and self.size > self.limit:
+            problems.add([f"size={self.size} must be at most limit={self.limit}"])
+        problems.raise_if_any()
 
 
 @pytest.mark.parametrize(
@@ -122,3 +143,26 @@ def test_docs_come_from_the_declarations() -> None:
     assert connector["load_timeout_s"].type_text == "number"
     assert connector["load_timeout_s"].default_text == "30.0"
     assert all(d.description for d in connector.values())
+
+
+def test_objects_built_in_code_are_checked_by_their_declared_types() -> None:
+    assert Built(size=3, names=("a", "b"), timeout_s=1).timeout_s == 1
+    with pytest.raises(ConfigError) as info:
+        Built(size=True, names=("a", "a"), timeout_s=math.inf)  # type: ignore[arg-type]
+    assert str(info.value) == (
+        "invalid Built: size=True: must be a valid integer; names=('a', 'a'): has duplicates "
+        "['a']: give each once; timeout_s=inf: must be a finite number"
+    )
+    with pytest.raises(ConfigError, match=r"names=\['a'\]: must be a valid tuple"):
+        Built(size=1, names=["a"])  # type: ignore[arg-type]  # strict: code passes tuples
+
+
+def test_rules_across_fields_join_the_field_problems_once_their_fields_hold() -> None:
+    with pytest.raises(ConfigError) as info:
+        Built(size=9, timeout_s=0)
+    assert str(info.value) == (
+        "invalid Built: timeout_s=0: must be greater than 0; size=9 must be at most limit=8"
+    )
+    with pytest.raises(ConfigError) as info:
+        Built(size=9, limit=0)
+    assert str(info.value) == "invalid Built: limit=0: must be greater than 0"

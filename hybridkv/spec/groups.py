@@ -14,12 +14,23 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import reduce
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import StrictInt, StrictStr
+from pydantic import Field, StrictStr
 
-from hybridkv.schema import CONFIG, parse
+from hybridkv.schema import (
+    CONFIG,
+    Distinct,
+    NonEmptyStr,
+    NonNegativeInt,
+    PositiveInt,
+    check_fields,
+    parse,
+)
 from hybridkv.spec.kinds import GroupKind, rules_for
+
+LayerNames = Annotated[tuple[StrictStr, ...], Field(min_length=1), Distinct]
+"""A group's layers: at least one, each named once."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,27 +47,22 @@ class KVGroup:
     __pydantic_config__ = CONFIG
 
     kind: GroupKind
-    block_size: StrictInt
-    page_size_bytes: StrictInt
-    layer_names: tuple[StrictStr, ...]
-    sliding_window: StrictInt | None = None
-    attention_chunk_size: StrictInt | None = None
-    layer_page_sizes_bytes: tuple[StrictInt, ...] = ()
+    block_size: PositiveInt
+    page_size_bytes: PositiveInt
+    layer_names: LayerNames
+    sliding_window: PositiveInt | None = None
+    attention_chunk_size: PositiveInt | None = None
+    layer_page_sizes_bytes: tuple[PositiveInt, ...] = ()
     """Per layer, in ``layer_names`` order, when pages differ; empty: all ``page_size_bytes``."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layer_page_sizes_bytes, tuple):
-            object.__setattr__(self, "layer_page_sizes_bytes", tuple(self.layer_page_sizes_bytes))
-        if isinstance(self.layer_names, str | bytes):
-            raise TypeError(
-                f"invalid KVGroup: layer_names={self.layer_names!r} must be a sequence of "
-                "layer names, not one string"
-            )
-        if not isinstance(self.layer_names, tuple):
-            object.__setattr__(self, "layer_names", tuple(self.layer_names))
-        problems = _group_problems(self)
-        if problems:
-            raise ValueError("invalid KVGroup: " + "; ".join(problems))
+        _lists_as_tuples(self, "layer_names", "layer_page_sizes_bytes")
+        problems = check_fields(self)
+        if problems.valid("kind", "block_size", "sliding_window", "attention_chunk_size"):
+            problems.add(rules_for(self.kind).param_problems(self))
+        if problems.valid("page_size_bytes", "layer_names", "layer_page_sizes_bytes"):
+            problems.add(_layer_page_problems(self))
+        problems.raise_if_any()
 
     @property
     def num_layers(self) -> int:
@@ -111,46 +117,25 @@ class KVGroup:
         return group
 
 
-def _positive_int(name: str, value: object) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return f"{name}={value!r} must be an int"
-    if value <= 0:
-        return f"{name}={value} must be > 0"
-    return None
-
-
-def _group_problems(group: KVGroup) -> list[str]:
-    problems: list[str] = []
-    if not isinstance(group.kind, GroupKind):
-        problems.append(f"kind={group.kind!r} must be a GroupKind")
-    for name in ("block_size", "page_size_bytes"):
-        problem = _positive_int(name, getattr(group, name))
-        if problem:
-            problems.append(problem)
-    if not group.layer_names:
-        problems.append("layer_names is empty; a group needs at least one layer")
-    elif len(set(group.layer_names)) != len(group.layer_names):
-        problems.append(f"layer_names {list(group.layer_names)} has duplicates")
-    problems += _layer_page_problems(group)
-    if isinstance(group.kind, GroupKind):
-        problems += rules_for(group.kind).param_problems(group)
-    return problems
+def _lists_as_tuples(obj: object, *names: str) -> None:
+    """Lists given for tuple fields, as tuples (the field types hold them to tuples)."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, list):
+            object.__setattr__(obj, name, tuple(value))
 
 
 def _layer_page_problems(group: KVGroup) -> list[str]:
     pages = group.layer_page_sizes_bytes
     if not pages:
         return []
-    bad = [p for p in pages if isinstance(p, bool) or not isinstance(p, int) or p <= 0]
-    if bad:
-        return [f"layer_page_sizes_bytes has {bad[:3]}; every page must be an int > 0"]
     problems = []
     if len(pages) != len(group.layer_names):
         problems.append(
             f"layer_page_sizes_bytes has {len(pages)} pages for {len(group.layer_names)} "
             "layers; give one page per layer, in layer_names order"
         )
-    if isinstance(group.page_size_bytes, int) and group.page_size_bytes != max(pages):
+    if group.page_size_bytes != max(pages):
         problems.append(
             f"page_size_bytes={group.page_size_bytes} must be the largest of "
             f"layer_page_sizes_bytes ({max(pages)})"
@@ -170,53 +155,27 @@ class KVLayoutSpec:
 
     __pydantic_config__ = CONFIG
 
-    groups: tuple[KVGroup, ...]
-    scheduler_block_size: StrictInt = 0
-    hash_block_size: StrictInt = 0
-    model_id: StrictStr = "model"
+    groups: Annotated[tuple[KVGroup, ...], Field(min_length=1)]
+    scheduler_block_size: NonNegativeInt = 0
+    """0: the LCM of the groups' block sizes."""
+    hash_block_size: NonNegativeInt = 0
+    """0: the GCD of the groups' block sizes."""
+    model_id: NonEmptyStr = "model"
     _fingerprint: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.groups, tuple):
-            object.__setattr__(self, "groups", tuple(self.groups))
-        problems: list[str] = []
-        if not self.groups:
-            raise ValueError("invalid KVLayoutSpec: groups is empty; at least one group needed")
-        sizes = [g.block_size for g in self.groups]
-        if not self.scheduler_block_size:
-            object.__setattr__(self, "scheduler_block_size", math.lcm(*sizes))
-        if not self.hash_block_size:
-            object.__setattr__(self, "hash_block_size", reduce(math.gcd, sizes))
-        for name in ("scheduler_block_size", "hash_block_size"):
-            problem = _positive_int(name, getattr(self, name))
-            if problem:
-                problems.append(problem)
-        if problems:
-            raise ValueError("invalid KVLayoutSpec: " + "; ".join(problems))
-        layer_owner: dict[str, int] = {}
-        for group_id, group in enumerate(self.groups):
-            if group.block_size % self.hash_block_size:
-                problems.append(
-                    f"group {group_id} block_size={group.block_size} is not divisible by "
-                    f"hash_block_size={self.hash_block_size} (use a hash_block_size dividing "
-                    f"every group's block size, e.g. their GCD {reduce(math.gcd, sizes)})"
-                )
-            if self.scheduler_block_size % group.block_size:
-                problems.append(
-                    f"scheduler_block_size={self.scheduler_block_size} is not a multiple of "
-                    f"group {group_id} block_size={group.block_size} (use a multiple of "
-                    f"their LCM {math.lcm(*sizes)})"
-                )
-            for layer in group.layer_names:
-                if layer in layer_owner:
-                    problems.append(
-                        f"layer {layer!r} is in group {layer_owner[layer]} and group {group_id}"
-                    )
-                layer_owner[layer] = group_id
-        if not isinstance(self.model_id, str) or not self.model_id:
-            problems.append(f"model_id={self.model_id!r} must be a non-empty string")
-        if problems:
-            raise ValueError("invalid KVLayoutSpec: " + "; ".join(problems))
+        _lists_as_tuples(self, "groups")
+        problems = check_fields(self)
+        if problems.valid("groups", "scheduler_block_size", "hash_block_size"):
+            sizes = [g.block_size for g in self.groups]
+            if not self.scheduler_block_size:
+                object.__setattr__(self, "scheduler_block_size", math.lcm(*sizes))
+            if not self.hash_block_size:
+                object.__setattr__(self, "hash_block_size", reduce(math.gcd, sizes))
+            problems.add(_block_size_problems(self))
+        if problems.valid("groups"):
+            problems.add(_shared_layer_problems(self.groups))
+        problems.raise_if_any()
         object.__setattr__(self, "_fingerprint", _fingerprint(self))
 
     @property
@@ -252,6 +211,38 @@ class KVLayoutSpec:
         """A layout from its JSON form (``to_dict``); ConfigError lists every problem."""
         layout: KVLayoutSpec = parse(cls, data, where=where)
         return layout
+
+
+def _block_size_problems(spec: KVLayoutSpec) -> list[str]:
+    sizes = spec.block_sizes
+    problems = []
+    for group_id, size in enumerate(sizes):
+        if size % spec.hash_block_size:
+            problems.append(
+                f"group {group_id} block_size={size} is not divisible by "
+                f"hash_block_size={spec.hash_block_size} (use a hash_block_size dividing "
+                f"every group's block size, e.g. their GCD {reduce(math.gcd, sizes)})"
+            )
+        if spec.scheduler_block_size % size:
+            problems.append(
+                f"scheduler_block_size={spec.scheduler_block_size} is not a multiple of "
+                f"group {group_id} block_size={size} (use a multiple of their LCM "
+                f"{math.lcm(*sizes)})"
+            )
+    return problems
+
+
+def _shared_layer_problems(groups: Sequence[KVGroup]) -> list[str]:
+    problems = []
+    layer_owner: dict[str, int] = {}
+    for group_id, group in enumerate(groups):
+        for layer in group.layer_names:
+            if layer in layer_owner:
+                problems.append(
+                    f"layer {layer!r} is in group {layer_owner[layer]} and group {group_id}"
+                )
+            layer_owner[layer] = group_id
+    return problems
 
 
 def _fingerprint(spec: KVLayoutSpec) -> str:

@@ -12,6 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, NewType
 
+from pydantic import StrictBool
+
+from hybridkv.schema import PositiveInt, Seconds, check_fields
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey
 from hybridkv.transfer.chunked import DEVICE_CHUNK_BYTES
 
@@ -73,35 +76,26 @@ class JobResult:
 
 @dataclass(frozen=True, kw_only=True)
 class TransferConfig:
-    staging_bytes: int = 256 << 20
+    staging_bytes: PositiveInt = 256 << 20
     """Staging arena size: the bound on bytes in flight (backpressure beyond)."""
-    num_workers: int = 1
+    num_workers: PositiveInt = 1
     """Threads calling the tier; > 1 needs a thread-safe tier."""
-    load_timeout_s: float | None = 30.0
-    store_timeout_s: float | None = 60.0
-    pin_memory: bool | None = None
+    load_timeout_s: Seconds | None = 30.0
+    """None: no timeout."""
+    store_timeout_s: Seconds | None = 60.0
+    pin_memory: StrictBool | None = None
     """Pin the staging arena; None: pin when the KV caches are on CUDA."""
-    asynchronous: bool | None = None
+    asynchronous: StrictBool | None = None
     """A store returns before its copies are done (the engine keeps its blocks
     until then: ``TransferEngine.fence``); None: when the copies can be (CUDA)."""
-    chunked_copies: bool | None = None
+    chunked_copies: StrictBool | None = None
     """Copy through a bounded device chunk (``transfer.chunked``); None: for caches
     off the CPU. True on CPU runs that path's logic without a GPU."""
-    device_chunk_bytes: int = DEVICE_CHUNK_BYTES
+    device_chunk_bytes: PositiveInt = DEVICE_CHUNK_BYTES
     """Device memory the chunked copies take (more only for a larger block)."""
 
     def __post_init__(self) -> None:
-        problems = []
-        for name in ("staging_bytes", "num_workers", "device_chunk_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                problems.append(f"{name}={value!r} must be an int > 0")
-        for name in ("load_timeout_s", "store_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int | float) or value <= 0):
-                problems.append(f"{name}={value!r} must be a number > 0 or None (no timeout)")
-        if problems:
-            raise ValueError("invalid TransferConfig: " + "; ".join(problems))
+        check_fields(self).raise_if_any()
 
 
 class JobState(enum.Enum):

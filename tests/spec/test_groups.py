@@ -40,22 +40,22 @@ def sliding(**overrides: Any) -> KVGroup:
 
 INVALID_GROUPS = [
     # (overrides, fragments every message must contain: field, value, rule)
-    ({"block_size": 0}, ["block_size=0", "must be > 0"]),
-    ({"block_size": -16}, ["block_size=-16", "must be > 0"]),
-    ({"block_size": "16"}, ["block_size='16'", "must be an int"]),
-    ({"block_size": True}, ["block_size=True", "must be an int"]),
-    ({"page_size_bytes": 0}, ["page_size_bytes=0", "must be > 0"]),
-    ({"page_size_bytes": 1.5}, ["page_size_bytes=1.5", "must be an int"]),
-    ({"layer_names": ()}, ["layer_names", "is empty", "at least one layer"]),
-    ({"layer_names": ("a", "b", "a")}, ["layer_names", "['a', 'b', 'a']", "duplicates"]),
-    ({"kind": "full"}, ["kind='full'", "must be a GroupKind"]),
+    ({"block_size": 0}, ["block_size=0", "must be greater than 0"]),
+    ({"block_size": -16}, ["block_size=-16", "must be greater than 0"]),
+    ({"block_size": "16"}, ["block_size='16'", "must be a valid integer"]),
+    ({"block_size": True}, ["block_size=True", "must be a valid integer"]),
+    ({"page_size_bytes": 0}, ["page_size_bytes=0", "must be greater than 0"]),
+    ({"page_size_bytes": 1.5}, ["page_size_bytes=1.5", "must be a valid integer"]),
+    ({"layer_names": ()}, ["layer_names=()", "must have at least 1 item"]),
+    ({"layer_names": ("a", "b", "a")}, ["layer_names=('a', 'b', 'a')", "duplicates ['a']"]),
+    ({"kind": "full"}, ["kind='full'", "must be an instance of GroupKind"]),
     (
         {"kind": GroupKind.SLIDING_WINDOW},
         ["sliding_window=None", "must be an int", "required for kind sliding_window"],
     ),
     (
         {"kind": GroupKind.SLIDING_WINDOW, "sliding_window": 0},
-        ["sliding_window=0", "an int > 0", "required for kind sliding_window"],
+        ["sliding_window=0", "must be greater than 0"],
     ),
     ({"sliding_window": 64}, ["sliding_window=64", "only allowed for kind sliding_window"]),
     (
@@ -134,7 +134,7 @@ def test_per_layer_pages_size_the_block_and_make_their_own_spec() -> None:
     [
         ((64, 32), 64, "2 pages for 3 layers"),
         ((64, 32, 16), 32, "must be the largest"),
-        ((64, 0, 16), 64, "must be an int > 0"),
+        ((64, 0, 16), 64, r"layer_page_sizes_bytes\[1\]=0: must be greater than 0"),
     ],
 )
 def test_bad_per_layer_pages_are_named(
@@ -207,11 +207,14 @@ INVALID_LAYOUTS = [
         {"groups": (group(layer_names=("x",)), sliding(layer_names=("x",)))},
         ["layer 'x' is in group 0 and group 1"],
     ),
-    ({"groups": ()}, ["groups is empty"]),
-    ({"groups": (group(),), "hash_block_size": -1}, ["hash_block_size=-1", "must be > 0"]),
+    ({"groups": ()}, ["groups=()", "must have at least 1 item"]),
+    (
+        {"groups": (group(),), "hash_block_size": -1},
+        ["hash_block_size=-1", "must be greater than or equal to 0"],
+    ),
     (
         {"groups": (group(),), "scheduler_block_size": True},
-        ["scheduler_block_size=True", "must be an int"],
+        ["scheduler_block_size=True", "must be a valid integer"],
     ),
 ]
 
@@ -312,7 +315,7 @@ def test_from_dict_defaults_derived_sizes() -> None:
             lambda d: d.update(colour=1),
             ["layout: 1 problem", "colour: unknown key; allowed keys: groups,"],
         ),
-        (lambda d: d.update(groups=[]), ["groups is empty; at least one group needed"]),
+        (lambda d: d.update(groups=[]), ["groups=[]: must have at least 1 item"]),
         (lambda d: d.pop("groups"), ["groups: required key is missing"]),
         (lambda d: d["groups"].append(3), ["groups[2]=3: must be a dictionary or an instance"]),
         (

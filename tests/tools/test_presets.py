@@ -272,7 +272,7 @@ def test_load_layout_unknown_name_lists_presets() -> None:
     [
         ("{not json", "is not readable JSON"),
         ("[1, 2]", "must hold a JSON object"),
-        ('{"groups": [], "model_id": "m"}', "groups is empty; at least one group needed"),
+        ('{"groups": [], "model_id": "m"}', "groups=[]: must have at least 1 item"),
         (
             json.dumps(
                 {
@@ -286,7 +286,7 @@ def test_load_layout_unknown_name_lists_presets() -> None:
                     ]
                 }
             ),
-            "block_size=0 must be > 0",
+            "groups[0].block_size=0: must be greater than 0",
         ),
     ],
 )

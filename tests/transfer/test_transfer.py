@@ -1071,3 +1071,18 @@ def test_regions_stay_parked_while_the_tier_may_touch_staging() -> None:
         assert engine.wait_idle(timeout_s=5)
         assert engine.arena.free_bytes == engine.arena.total_bytes
         engine.check_integrity()
+
+
+def test_transfer_config_names_every_bad_setting() -> None:
+    with pytest.raises(ValueError) as info:
+        TransferConfig(staging_bytes=0, num_workers=True, load_timeout_s=-1.0, pin_memory=1)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert message.startswith("invalid TransferConfig: ")
+    for fragment in (
+        "staging_bytes=0: must be greater than 0",
+        "num_workers=True: must be a valid integer",
+        "load_timeout_s=-1.0: must be greater than 0",
+        "pin_memory=1: must be a valid boolean",
+    ):
+        assert fragment in message, (fragment, message)
+    assert TransferConfig(load_timeout_s=None, store_timeout_s=5).store_timeout_s == 5

@@ -11,8 +11,9 @@ past blocks to resume it at a given length; the rules answer, for that kind:
   every block any hit the search reports needs;
 * load planning: whether every block of a hit must be allocated by the
   engine (``needs_every_block``);
-* configuration: which kind parameters a group needs (``param_problems``)
-  and which hit alignments and drafting modes it supports.
+* configuration: which kind parameter a group needs (``param``, checked with
+  the kind's own rules by ``param_problems``) and which hit alignments and
+  drafting modes it supports.
 
 Adding a kind is one module implementing ``KindRules`` plus one line in
 ``hybridkv.spec.kinds.RULES``; the engine adapter maps the engine's spec
@@ -45,6 +46,13 @@ class GroupKind(enum.Enum):
     """Only the tokens since the start of the current attention chunk."""
     MAMBA = "mamba"
     """Only the recurrent state after the last block."""
+
+
+PARAMS = {
+    "sliding_window": GroupKind.SLIDING_WINDOW,
+    "attention_chunk_size": GroupKind.CHUNKED_LOCAL,
+}
+"""Each kind parameter of a group, and the one kind that needs it."""
 
 
 class Found(NamedTuple):
@@ -107,18 +115,23 @@ class KindRules:
 
     # --- configuration -------------------------------------------------------------
 
+    param: ClassVar[str | None] = None
+    """The group field this kind needs (its window or chunk, in tokens), if any."""
+
     def param_problems(self, group: KVGroup) -> list[str]:
-        """What is wrong with the group's kind parameters (window, chunk size)."""
+        """What is wrong with the group's kind parameters (window, chunk size).
+
+        Asked once their field types hold: each is None or an int > 0.
+        """
         problems = []
-        if group.sliding_window is not None:
-            problems.append(
-                f"sliding_window={group.sliding_window} is only allowed for kind sliding_window"
-            )
-        if group.attention_chunk_size is not None:
-            problems.append(
-                f"attention_chunk_size={group.attention_chunk_size} is only allowed for "
-                "kind chunked_local"
-            )
+        for name, owner in PARAMS.items():
+            value = getattr(group, name)
+            if name == self.param and value is None:
+                problems.append(
+                    f"{name}=None: required for kind {self.kind.value}, must be an int > 0"
+                )
+            elif name != self.param and value is not None:
+                problems.append(f"{name}={value} is only allowed for kind {owner.value}")
         return problems
 
     def alignment_problem(self, group: KVGroup, align: int) -> str | None:

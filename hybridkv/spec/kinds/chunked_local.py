@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 class ChunkedLocalRules(KindRules):
     kind: ClassVar[GroupKind] = GroupKind.CHUNKED_LOCAL
+    param = "attention_chunk_size"
     needs_every_block = False
     supports_eagle = False  # vLLM rejects EAGLE with chunked local attention
 
@@ -35,20 +36,11 @@ class ChunkedLocalRules(KindRules):
         return Found(end_block * group.block_size, lo, end_block)
 
     def param_problems(self, group: KVGroup) -> list[str]:
-        problems = []
+        problems = super().param_problems(group)
         chunk = group.attention_chunk_size
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
-            problems.append(
-                f"attention_chunk_size={chunk!r}: required for kind chunked_local, must be an "
-                "int > 0"
-            )
-        elif chunk % group.block_size:
+        if chunk is not None and chunk % group.block_size:
             problems.append(
                 f"attention_chunk_size={chunk} must be a multiple of block_size={group.block_size}"
-            )
-        if group.sliding_window is not None:
-            problems.append(
-                f"sliding_window={group.sliding_window} is only allowed for kind sliding_window"
             )
         return problems
 

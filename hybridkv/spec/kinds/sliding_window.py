@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 class SlidingWindowRules(KindRules):
     kind: ClassVar[GroupKind] = GroupKind.SLIDING_WINDOW
+    param = "sliding_window"
     needs_every_block = False
 
     @staticmethod
@@ -84,17 +85,3 @@ class SlidingWindowRules(KindRules):
             stored.extend(range(max(first, seg_end - need), min(stop, seg_end + shift)))
             seg_end += a
         return stored
-
-    def param_problems(self, group: KVGroup) -> list[str]:
-        problems = []
-        window = group.sliding_window
-        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-            problems.append(
-                f"sliding_window={window!r}: required for kind sliding_window, must be an int > 0"
-            )
-        if group.attention_chunk_size is not None:
-            problems.append(
-                f"attention_chunk_size={group.attention_chunk_size} is only allowed for "
-                "kind chunked_local"
-            )
-        return problems
