@@ -14,7 +14,7 @@ import ctypes
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar, NewType, Self
+from typing import TYPE_CHECKING, ClassVar, NewType
 
 import numpy as np
 import numpy.typing as npt
@@ -125,27 +125,6 @@ class TierMedium(enum.Enum):
     MEMORY = "memory"
     DISK = "disk"
     REMOTE = "remote"
-
-
-class TierConfigBase:
-    """What every tier kind's configuration offers besides its fields.
-
-    Each kind's config is a frozen pydantic dataclass (``hybridkv.schema``)
-    with a ``kind`` tag and a ``load_weight``; it overrides these when its
-    kind needs to.
-    """
-
-    reach: ClassVar[TierReach] = TierReach.CLUSTER
-    medium: ClassVar[TierMedium] = TierMedium.REMOTE
-    load_weight: float
-
-    def lookup_only(self) -> Self:
-        """The config of an instance that only answers lookups (for another process)."""
-        return self
-
-    def for_rank(self, tp_rank: int, tp_size: int) -> Self:
-        """The config of tensor-parallel rank ``tp_rank``'s own tier."""
-        return self
 
 
 class Tier(abc.ABC):

@@ -24,14 +24,13 @@ import numpy as np
 from pydantic import Field, StrictBool
 from pydantic.dataclasses import dataclass
 
-from hybridkv.schema import CONFIG, ByteSize, Number
+from hybridkv.schema import CONFIG, ByteSize
 from hybridkv.tiers.base import (
     Buffer,
     GetStatus,
     PutStatus,
     StoreKey,
     Tier,
-    TierConfigBase,
     TierMedium,
     TierMemory,
     TierReach,
@@ -40,6 +39,7 @@ from hybridkv.tiers.base import (
     check_batch,
     check_sizes,
 )
+from hybridkv.tiers.config import LoadWeight, TierConfigBase
 from hybridkv.tiers.cpu_index import ArenaIndex, Outstanding, Slot
 from hybridkv.tiers.memory import ALIGN_BYTES, allocate_arena
 
@@ -57,15 +57,16 @@ class CpuConfig(TierConfigBase):
     capacity_bytes: Annotated[
         ByteSize, Field(ge=ALIGN_BYTES, description="size of the memory arena")
     ]
-    load_weight: Annotated[
-        Number, Field(gt=0, allow_inf_nan=False, description="relative cost of loading from it")
-    ] = 1.0
+    load_weight: LoadWeight = 1.0
     pin_memory: Annotated[
         StrictBool | None, Field(description="page-lock the arena; null: when CUDA is available")
     ] = None
 
     reach: ClassVar[TierReach] = TierReach.PROCESS
     medium: ClassVar[TierMedium] = TierMedium.MEMORY
+
+    def build(self) -> CpuTier:
+        return CpuTier(self)
 
 
 class CpuTier(Tier):

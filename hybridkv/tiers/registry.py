@@ -1,41 +1,35 @@
 """Tier kinds: their configs (parsed from user dicts) and the tiers built from them.
 
-Any process. ``TierConfig`` is the union of every kind's config, told apart
-by its ``kind`` key; ``build_tier`` makes the tier a config describes.
-Importing this module imports no client library (Mooncake and redis are
-imported when such a tier is built).
+Any process. ``TierConfig`` is the one list of kinds: the union of every
+kind's config, told apart by its ``kind`` key; each config builds its own
+tier (``TierConfigBase.build``). Adding a kind is its modules plus one entry
+in that union. Importing this module imports no tier and no client library
+(a tier's module, and Mooncake or redis, are imported when such a tier is
+built).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated, get_args
 
 from pydantic import Field
 
 from hybridkv.schema import parse
 from hybridkv.tiers.base import Tier
-from hybridkv.tiers.cpu import CpuConfig, CpuTier
+from hybridkv.tiers.config import TierConfigBase
+from hybridkv.tiers.cpu import CpuConfig
 from hybridkv.tiers.disk.config import DiskConfig
-from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.mooncake.config import MooncakeConfig
-from hybridkv.tiers.mooncake.tier import MooncakeTier
 from hybridkv.tiers.valkey.config import ValkeyConfig
-from hybridkv.tiers.valkey.tier import ValkeyTier
 
 TierConfig = Annotated[
     CpuConfig | DiskConfig | MooncakeConfig | ValkeyConfig, Field(discriminator="kind")
 ]
 """Any tier kind's config; ``kind`` says which."""
 
-TIER_CONFIGS: tuple[type[Any], ...] = (CpuConfig, DiskConfig, MooncakeConfig, ValkeyConfig)
-
-_TIERS: dict[type[Any], Callable[[Any], Tier]] = {
-    CpuConfig: CpuTier,
-    DiskConfig: DiskTier,
-    MooncakeConfig: MooncakeTier,
-    ValkeyConfig: ValkeyTier,
-}
+TIER_CONFIGS: tuple[type[TierConfigBase], ...] = get_args(get_args(TierConfig)[0])
+"""Every kind's config class, in the order of ``TierConfig``."""
 
 
 def parse_tier_config(raw: object, *, where: str = "tier") -> TierConfig:
@@ -51,7 +45,7 @@ def parse_tier_configs(raw: object, *, where: str = "tiers") -> tuple[TierConfig
 
 
 def build_tier(config: TierConfig) -> Tier:
-    return _TIERS[type(config)](config)
+    return config.build()
 
 
 def build_tiers(configs: Sequence[TierConfig]) -> list[Tier]:

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Annotated, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, Self
 
 from pydantic import Field, StrictBool, StrictInt
 from pydantic.dataclasses import dataclass
 
-from hybridkv.schema import CONFIG, ByteSize, Number, UserPath
-from hybridkv.tiers.base import TierConfigBase, TierMedium, TierReach
+from hybridkv.schema import CONFIG, ByteSize, UserPath
+from hybridkv.tiers.base import TierMedium, TierReach
+from hybridkv.tiers.config import LoadWeight, TierConfigBase
 from hybridkv.tiers.disk.paths import DiskPaths, TpRank
 from hybridkv.tiers.disk.segments import PAGE
+
+if TYPE_CHECKING:
+    from hybridkv.tiers.disk.tier import DiskTier
 
 MIN_BYTES = 3 * PAGE
 """A segment header, a slot table page and one data page."""
@@ -66,9 +70,7 @@ class DiskConfig(TierConfigBase):
             )
         ),
     ] = FsyncPolicy.NEVER
-    load_weight: Annotated[
-        Number, Field(gt=0, allow_inf_nan=False, description="relative cost of loading from it")
-    ] = 4.0
+    load_weight: LoadWeight = 4.0
     num_io_threads: Annotated[
         StrictInt,
         Field(
@@ -99,6 +101,11 @@ class DiskConfig(TierConfigBase):
 
     reach: ClassVar[TierReach] = TierReach.HOST
     medium: ClassVar[TierMedium] = TierMedium.DISK
+
+    def build(self) -> DiskTier:
+        from hybridkv.tiers.disk.tier import DiskTier  # it imports this module
+
+        return DiskTier(self)
 
     def __post_init__(self) -> None:
         segment = self.segment_bytes

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, StrictStr, field_validator
 from pydantic.dataclasses import dataclass
 
-from hybridkv.schema import CONFIG, ByteSize, Number
-from hybridkv.tiers.base import TierConfigBase
+from hybridkv.schema import CONFIG, ByteSize
+from hybridkv.tiers.config import LoadWeight, ServerTierConfig
+
+if TYPE_CHECKING:
+    from hybridkv.tiers.mooncake.tier import MooncakeTier
 
 
 class Protocol(enum.Enum):
@@ -26,7 +29,7 @@ def check_address(address: str) -> str:
 
 
 @dataclass(frozen=True, kw_only=True, config=CONFIG)
-class MooncakeConfig(TierConfigBase):
+class MooncakeConfig(ServerTierConfig):
     """``kind: mooncake``: a Mooncake Store pool shared by engines and machines."""
 
     kind: Literal["mooncake"] = "mooncake"
@@ -57,21 +60,14 @@ class MooncakeConfig(TierConfigBase):
             ge=0, description="memory this process lends to the pool; 0: storage daemons hold it"
         ),
     ] = 0
-    load_weight: Annotated[
-        Number, Field(gt=0, allow_inf_nan=False, description="relative cost of loading from it")
-    ] = 8.0
-    op_timeout_s: Annotated[
-        Number,
-        Field(gt=0, allow_inf_nan=False, description="seconds before one round trip is an error"),
-    ] = 2.0
-    retry_interval_s: Annotated[
-        Number,
-        Field(
-            gt=0, allow_inf_nan=False, description="seconds between probes of an unreachable pool"
-        ),
-    ] = 1.0
+    load_weight: LoadWeight = 8.0
 
     @field_validator("master_address")
     @classmethod
     def _master_address(cls, value: str) -> str:
         return check_address(value)
+
+    def build(self) -> MooncakeTier:
+        from hybridkv.tiers.mooncake.tier import MooncakeTier  # it imports this module
+
+        return MooncakeTier(self)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 from pydantic.dataclasses import dataclass
 
-from hybridkv.schema import CONFIG, SECRET, Number
-from hybridkv.tiers.base import TierConfigBase
+from hybridkv.schema import CONFIG, SECRET
+from hybridkv.tiers.config import LoadWeight, ServerTierConfig
+
+if TYPE_CHECKING:
+    from hybridkv.tiers.valkey.tier import ValkeyTier
 
 TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
@@ -17,7 +20,7 @@ OptionalText = StrictStr | None
 
 
 @dataclass(frozen=True, kw_only=True, config=CONFIG)
-class ValkeyConfig(TierConfigBase):
+class ValkeyConfig(ServerTierConfig):
     """``kind: valkey``: a Valkey or Redis server shared by engines."""
 
     kind: Literal["valkey"] = "valkey"
@@ -50,18 +53,7 @@ class ValkeyConfig(TierConfigBase):
         None
     )
     ssl_keyfile: Annotated[OptionalText, Field(description="client key file for TLS")] = None
-    load_weight: Annotated[
-        Number, Field(gt=0, allow_inf_nan=False, description="relative cost of loading from it")
-    ] = 10.0
-    op_timeout_s: Annotated[
-        Number, Field(gt=0, allow_inf_nan=False, description="socket timeout of every call")
-    ] = 2.0
-    retry_interval_s: Annotated[
-        Number,
-        Field(
-            gt=0, allow_inf_nan=False, description="seconds between probes of an unreachable server"
-        ),
-    ] = 1.0
+    load_weight: LoadWeight = 10.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -74,3 +66,8 @@ class ValkeyConfig(TierConfigBase):
             problems.append(f"db={self.db} with cluster true: a cluster has only db 0; set db to 0")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def build(self) -> ValkeyTier:
+        from hybridkv.tiers.valkey.tier import ValkeyTier  # it imports this module
+
+        return ValkeyTier(self)
