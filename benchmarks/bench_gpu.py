@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.layout import KVLayoutKind
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.config import DiskConfig
@@ -67,7 +67,7 @@ LAYOUTS = {"LBNHC": KVLayoutKind.LAYER_MAJOR, "BLHNC": KVLayoutKind.BLOCK_MAJOR}
 
 def model(
     name: str, num_layers: int, page_bytes: int, block_size: int, second: GroupKind
-) -> KVLayoutSpec:
+) -> ModelGroups:
     def group(kind: GroupKind, prefix: str) -> KVGroup:
         return KVGroup(
             kind=kind,
@@ -77,7 +77,7 @@ def model(
             sliding_window=1024 if kind is GroupKind.SLIDING_WINDOW else None,
         )
 
-    return KVLayoutSpec(groups=(group(GroupKind.FULL, "f"), group(second, "s")), model_id=name)
+    return ModelGroups(groups=(group(GroupKind.FULL, "f"), group(second, "s")), model_id=name)
 
 
 CASES = {
@@ -144,7 +144,7 @@ class Bench:
                 print("copy", json.dumps(rows[-1]), flush=True)
         self.report["copy"] = rows
 
-    def _copy_case(self, spec: KVLayoutSpec, kind: KVLayoutKind) -> dict[str, Any]:
+    def _copy_case(self, spec: ModelGroups, kind: KVLayoutKind) -> dict[str, Any]:
         block_bytes = spec.groups[0].block_bytes
         n = max(2, self.job_bytes // block_bytes)
         num_blocks = 2 * n + 1
@@ -186,7 +186,7 @@ class Bench:
 
     def _check_bytes(
         self,
-        spec: KVLayoutSpec,
+        spec: ModelGroups,
         kind: KVLayoutKind,
         buffer: torch.Tensor,
         ids: list[int],
@@ -374,12 +374,12 @@ def table(report: dict[str, Any]) -> str:
         f"{report['device']}, torch {report['torch']}, {report['job_MiB']:.0f} MiB per job",
         f"limit (pinned): {limit['d2h']:.1f} GB/s device->host, {limit['h2d']:.1f} host->device",
         "",
-        f"{'copy, ratio to the limit':40} {'layout':6} {'gather':>6} {'scatter':>7} "
+        f"{'copy, ratio to the limit':40} {'model_groups':6} {'gather':>6} {'scatter':>7} "
         f"{'framed':>6} {'framed':>6} {'device':>7} bytes",
     ]
     for row in report.get("copy", []):
         lines.append(
-            f"{row['case']:40} {row['layout']:6} {row['gather']:6.2f} {row['scatter']:7.2f} "
+            f"{row['case']:40} {row['model_groups']:6} {row['gather']:6.2f} {row['scatter']:7.2f} "
             f"{row['gather_framed']:6.2f} {row['scatter_framed']:6.2f} "
             f"{row['device_extra_MiB']:3.0f} MiB {'ok' if row['bytes_equal'] else 'WRONG'}"
         )

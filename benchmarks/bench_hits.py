@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from functools import reduce
 from typing import Any
 
+from hybridkv.groups import GroupKind, KVGroup
 from hybridkv.hits import Hit, find_longest_hit
-from hybridkv.spec import GroupKind, KVGroup
 
 NUM_TOKENS = 128 * 1024
 TARGET_SPEEDUP = 5.0
@@ -187,7 +187,7 @@ def main() -> int:
             rows.append((name, scenario, hit.num_tokens, calls, indices, t_vllm, t_ours))
 
     header = (
-        f"{'layout':38} {'scenario':11} {'hit':>7} {'calls':>5} {'asked':>6} "
+        f"{'model_groups':38} {'scenario':11} {'hit':>7} {'calls':>5} {'asked':>6} "
         f"{'vLLM ms':>8} {'ours ms':>8} {'speedup':>8}  target"
     )
     print(f"one lookup, {NUM_TOKENS} tokens, best of {REPEATS}; target: >= {TARGET_SPEEDUP}x")

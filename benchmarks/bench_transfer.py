@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from hybridkv.cli.bench import describe_machine, machine
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.layout import KVLayoutKind
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import BlockCopier, StagingArena, runs
 from hybridkv.transfer.staging import PHASE_BYTES
@@ -50,7 +50,7 @@ TARGET_OPS = ("gather", "scatter")
 CLOCKS: dict[str, Callable[[], float]] = {"thread": time.thread_time, "wall": time.perf_counter}
 
 
-def layout(name: str, num_layers: int, page_bytes: int, mamba: bool) -> KVLayoutSpec:
+def model_groups(name: str, num_layers: int, page_bytes: int, mamba: bool) -> ModelGroups:
     second = (
         KVGroup(
             kind=GroupKind.MAMBA,
@@ -73,7 +73,7 @@ def layout(name: str, num_layers: int, page_bytes: int, mamba: bool) -> KVLayout
         page_size_bytes=page_bytes,
         layer_names=tuple(f"f.{i}" for i in range(num_layers)),
     )
-    return KVLayoutSpec(groups=(full, second), model_id=name)
+    return ModelGroups(groups=(full, second), model_id=name)
 
 
 class Paired(NamedTuple):
@@ -130,7 +130,7 @@ class Memcpy:
 
 
 def bench_case(
-    spec: KVLayoutSpec, num_blocks: int, num_copy: int, reps: int, clock: Callable[[], float]
+    spec: ModelGroups, num_blocks: int, num_copy: int, reps: int, clock: Callable[[], float]
 ) -> list[tuple[str, ...]]:
     rows = []
     group_id = 1
@@ -207,9 +207,13 @@ def main() -> int:
     # 64 MiB per copy (twice the L3 of these machines) out of a 256 MiB KV cache, so
     # neither side runs from cache.
     cases = [
-        (layout("gemma-like 8x32KiB", 8, 32 << 10, mamba=False), 1024 // scale, 256 // scale),
-        (layout("qwen-next-like 4x64KiB", 4, 64 << 10, mamba=True), 1024 // scale, 256 // scale),
-        (layout("small 4x4KiB", 4, 4 << 10, mamba=False), 16384 // scale, 4096 // scale),
+        (model_groups("gemma-like 8x32KiB", 8, 32 << 10, mamba=False), 1024 // scale, 256 // scale),
+        (
+            model_groups("qwen-next-like 4x64KiB", 4, 64 << 10, mamba=True),
+            1024 // scale,
+            256 // scale,
+        ),
+        (model_groups("small 4x4KiB", 4, 4 << 10, mamba=False), 16384 // scale, 4096 // scale),
     ]
     header = (
         "layout",

@@ -23,7 +23,7 @@ from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.setup import lookup_for_store
 from hybridkv.connector.steps import ScheduledRequest, StepInput
 from hybridkv.connector.worker import ConnectorWorker
-from hybridkv.spec import KVLayoutSpec
+from hybridkv.groups import ModelGroups
 from hybridkv.tiers.tiered.store import TieredStore
 from hybridkv.tools.allocate import AllocatedKVCaches
 from hybridkv.transfer import TransferConfig
@@ -57,14 +57,14 @@ class StepEngine:
 
     def __init__(
         self,
-        layout: KVLayoutSpec,
+        model_groups: ModelGroups,
         caches: AllocatedKVCaches,
         store: TieredStore | None,
         *,
         flops_per_token: int,
         transfer: TransferConfig | None = None,
     ) -> None:
-        self.layout = layout
+        self.model_groups = model_groups
         self.caches = caches
         self.device = caches.canonical.device
         self.num_blocks = caches.canonical.num_blocks
@@ -79,9 +79,9 @@ class StepEngine:
         self.worker: ConnectorWorker | None = None
         self.scheduler: ConnectorScheduler | None = None
         if store is not None:
-            self.worker = ConnectorWorker(layout, store, transfer_config=transfer)
+            self.worker = ConnectorWorker(model_groups, store, transfer_config=transfer)
             self.worker.register_kv_caches(caches.kv_caches)
-            self.scheduler = ConnectorScheduler(layout, lookup_for_store(store))
+            self.scheduler = ConnectorScheduler(model_groups, lookup_for_store(store))
 
     def _dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -90,7 +90,7 @@ class StepEngine:
 
     def add(self, req_id: str, tokens: Sequence[int]) -> int:
         """Admit a request; returns the tokens it loads from the connector's tiers."""
-        req = _Request(req_id, list(tokens), [[] for _ in self.layout.groups])
+        req = _Request(req_id, list(tokens), [[] for _ in self.model_groups.groups])
         self.requests[req_id] = req
         if self.scheduler is None:
             return 0
@@ -112,7 +112,7 @@ class StepEngine:
 
     def _allocate(self, req: _Request, end: int) -> list[list[int]]:
         new: list[list[int]] = []
-        for g, group in enumerate(self.layout.groups):
+        for g, group in enumerate(self.model_groups.groups):
             need = -(-end // group.block_size) - len(req.block_ids[g])
             if need > len(self.free_ids):
                 raise RuntimeError("the simulated engine ran out of KV blocks; lower the work")
@@ -177,7 +177,7 @@ class StepEngine:
         written: set[int] = set()
         for s in scheduled:
             req = self.requests[s.req_id]
-            for g, group in enumerate(self.layout.groups):
+            for g, group in enumerate(self.model_groups.groups):
                 first = req.num_computed // group.block_size
                 last = -(-(req.num_computed + s.num_scheduled_tokens) // group.block_size)
                 written.update(req.block_ids[g][first:last])

@@ -1,6 +1,6 @@
 """hybridkv: offload and share the KV cache of hybrid-attention LLMs."""
 
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 
-__all__ = ["GroupKind", "KVGroup", "KVLayoutSpec"]
+__all__ = ["GroupKind", "KVGroup", "ModelGroups"]
 __version__ = "0.1.0"

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from hybridkv.spec import KVGroup
-from hybridkv.spec.kinds import Found, KindRules, rules_for
+from hybridkv.groups import KVGroup
+from hybridkv.groups.kinds import Found, KindRules, rules_for
 
 Contains = Callable[[int, Sequence[int]], Sequence[bool]]
 """``contains(group_id, block_ids)``: does the store hold each block of that group."""
@@ -70,23 +70,23 @@ def _as_bools(answer: object, num_asked: int, group_id: int) -> BoolArray | None
     return None if got.all() else got
 
 
-class _SpecSearch:
-    """Groups with equal specs, searched together; remembers answers across passes."""
+class _GroupSearch:
+    """Groups with equal search keys, searched together; remembers answers across passes."""
 
     def __init__(self, group_ids: list[int], group: KVGroup, num_blocks: int) -> None:
         self.group_ids = group_ids
         self.group = group
         self.rule: KindRules = rules_for(group.kind)
         self.asked = [np.zeros(num_blocks, np.bool_) for _ in group_ids]  # per group
-        self.missing = np.zeros(num_blocks, np.bool_)  # some group of the spec lacks it
+        self.missing = np.zeros(num_blocks, np.bool_)  # some group of the search key lacks it
         self.any_missing = False
         self.never_asked = [True] * len(group_ids)
         self.found: Found | None = None
         self.drafts = False
-        """EAGLE-style drafting drops this spec's last hit block."""
+        """EAGLE-style drafting drops these groups' last hit block."""
 
     def search(self, bound: int, drop: bool, align: int, contains: Contains) -> Found:
-        """The spec's hit for ``bound``; asks each of its groups at most once."""
+        """These groups' hit for ``bound``; asks each of its groups at most once."""
         lo, hi = self.rule.window(self.group, bound)
         hi = max(lo, hi)
         a = align // self.group.block_size
@@ -125,7 +125,7 @@ class _SpecSearch:
         return ask
 
     def first_miss_token(self) -> int | None:
-        """First token of the earliest block some group of the spec lacks."""
+        """First token of the earliest block some of these groups lacks."""
         if not self.any_missing:
             return None
         return int(np.argmax(self.missing)) * self.group.block_size
@@ -159,7 +159,7 @@ def _validate(
         groups = ()
     bad = [i for i, g in enumerate(groups) if not isinstance(g, KVGroup)]
     if bad:
-        problems.append(f"groups{bad} are not KVGroup; pass the layout's KVGroup objects")
+        problems.append(f"groups{bad} are not KVGroup; pass ModelGroups.groups")
         groups = ()
     if isinstance(max_hit_tokens, bool) or not isinstance(max_hit_tokens, int):
         problems.append(f"max_hit_tokens={max_hit_tokens!r} must be an int")
@@ -197,18 +197,18 @@ def _validate(
     return align
 
 
-def _spec_searches(groups: Sequence[KVGroup], max_hit_tokens: int) -> list[_SpecSearch]:
-    """One search per distinct spec, in first-seen order, full attention first."""
+def _group_searches(groups: Sequence[KVGroup], max_hit_tokens: int) -> list[_GroupSearch]:
+    """One search per distinct search key, in first-seen order, full attention first."""
     specs: list[tuple[tuple[object, ...], list[int]]] = []  # a few groups: a scan beats hashing
     for group_id, group in enumerate(groups):
-        key = group.spec_key
+        key = group.search_key
         ids = next((ids for other, ids in specs if other == key), None)
         if ids is None:
             specs.append((key, [group_id]))
         else:
             ids.append(group_id)
     searches = [
-        _SpecSearch(ids, groups[ids[0]], (max_hit_tokens + 1) // groups[ids[0]].block_size)
+        _GroupSearch(ids, groups[ids[0]], (max_hit_tokens + 1) // groups[ids[0]].block_size)
         for _, ids in specs
     ]
     searches.sort(key=lambda s: not s.rule.searched_once)
@@ -239,7 +239,7 @@ def find_longest_hit(
     cannot confirm (a store failure costs hits); its exceptions propagate.
     """
     align = _validate(groups, max_hit_tokens, contains, alignment_tokens, use_eagle)
-    searches = _spec_searches(groups, max_hit_tokens)
+    searches = _group_searches(groups, max_hit_tokens)
     drops = drafting_groups(groups, use_eagle, eagle_group_ids)
     for search in searches:
         search.drafts = drops[search.group_ids[0]]
@@ -267,23 +267,23 @@ def drafting_groups(
     """Per group: whether its hits drop the last block for EAGLE-style drafting.
 
     ``eagle_group_ids`` None means every group (as vLLM when none is flagged). A
-    group drops when any group of its spec drafts: they are searched together.
+    group drops when any group of its search key drafts: they are searched together.
     """
     if not use_eagle:
         return (False,) * len(groups)
     eagle = set(range(len(groups)) if eagle_group_ids is None else eagle_group_ids)
-    drafting_specs = {groups[i].spec_key for i in eagle if 0 <= i < len(groups)}
-    return tuple(g.spec_key in drafting_specs for g in groups)
+    drafting_specs = {groups[i].search_key for i in eagle if 0 <= i < len(groups)}
+    return tuple(g.search_key in drafting_specs for g in groups)
 
 
 def _converge(
-    searches: list[_SpecSearch], max_hit_tokens: int, contains: Contains, align: int
+    searches: list[_GroupSearch], max_hit_tokens: int, contains: Contains, align: int
 ) -> int:
     """Passes over all specs until none shrinks the candidate (vLLM's fixed point)."""
     hit_tokens = max_hit_tokens
-    # EAGLE drops a block once per spec and candidate; a shrink re-arms the drop.
+    # EAGLE drops a block once per search key and candidate; a shrink re-arms the drop.
     eagle_done: set[int] = set()
-    # One full-attention spec plus one other: a single pass settles it.
+    # One full-attention search plus one other: a single pass settles it.
     one_pass = len(searches) == 2 and searches[0].rule.searched_once
     while True:
         candidate = hit_tokens

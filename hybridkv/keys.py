@@ -19,7 +19,7 @@ Encoding of one hash block (``hash_block_size`` tokens), version 1::
 * ``digest``: xxh3-128 (16 bytes, xxhash's canonical big-endian digest, seed 0)
   or SHA-256 (32 bytes).
 
-A store key names the namespace (model, layout fingerprint, tensor-parallel
+A store key names the namespace (model, groups fingerprint, tensor-parallel
 rank), the group and the hash of the group block's last hash block:
 ``{model}|{fingerprint}|tp{rank}of{size}|g{group_id}|{hash_hex}``. Keys are
 ASCII without spaces, usable as Redis/Mooncake keys.
@@ -41,8 +41,8 @@ import numpy.typing as npt
 import xxhash
 from pydantic import AfterValidator, StrictStr
 
+from hybridkv.groups import ModelGroups
 from hybridkv.schema import NonEmptyStr, NonNegativeInt, PositiveInt, check_fields
-from hybridkv.spec import KVLayoutSpec
 from hybridkv.tiers.base import StoreKey
 
 BlockHash = NewType("BlockHash", bytes)
@@ -206,16 +206,16 @@ def sanitize_model_id(model_id: str) -> str:
 
 def _lowercase_hex(text: str) -> str:
     if not _HEX.fullmatch(text):
-        raise ValueError("must be lowercase hex (use KVLayoutSpec.fingerprint)")
+        raise ValueError("must be lowercase hex (use ModelGroups.fingerprint)")
     return text
 
 
 @dataclass(frozen=True, kw_only=True)
 class KeyNamespace:
-    """What keeps keys of another model, layout or tensor-parallel rank apart."""
+    """What keeps keys of another model, other groups or another tensor-parallel rank apart."""
 
     model_id: NonEmptyStr
-    layout_fingerprint: Annotated[StrictStr, AfterValidator(_lowercase_hex)]
+    groups_fingerprint: Annotated[StrictStr, AfterValidator(_lowercase_hex)]
     tp_rank: NonNegativeInt = 0
     tp_size: PositiveInt = 1
 
@@ -226,12 +226,12 @@ class KeyNamespace:
         problems.raise_if_any()
 
     @classmethod
-    def for_layout(
-        cls, layout: KVLayoutSpec, *, tp_rank: int = 0, tp_size: int = 1
+    def for_groups(
+        cls, model_groups: ModelGroups, *, tp_rank: int = 0, tp_size: int = 1
     ) -> KeyNamespace:
         return cls(
-            model_id=layout.model_id,
-            layout_fingerprint=layout.fingerprint,
+            model_id=model_groups.model_id,
+            groups_fingerprint=model_groups.fingerprint,
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
@@ -239,11 +239,11 @@ class KeyNamespace:
     @property
     def prefix(self) -> str:
         model = sanitize_model_id(self.model_id)
-        return f"{model}|{self.layout_fingerprint}|tp{self.tp_rank}of{self.tp_size}"
+        return f"{model}|{self.groups_fingerprint}|tp{self.tp_rank}of{self.tp_size}"
 
 
 class KeyBuilder:
-    """Store keys of one namespace (model, layout, tensor-parallel rank).
+    """Store keys of one namespace (model, groups, tensor-parallel rank).
 
     Group ``g`` block ``i`` covers tokens ``[i * bs, (i + 1) * bs)`` with
     ``bs = m * hash_block_size``; it is named by ``block_hash`` = the request's
@@ -251,18 +251,20 @@ class KeyBuilder:
     A block hash is the same for every rank; ``key`` adds the namespace.
     """
 
-    def __init__(self, layout: KVLayoutSpec, namespace: KeyNamespace) -> None:
-        if namespace.layout_fingerprint != layout.fingerprint:
+    def __init__(self, model_groups: ModelGroups, namespace: KeyNamespace) -> None:
+        if namespace.groups_fingerprint != model_groups.fingerprint:
             raise ValueError(
-                f"namespace.layout_fingerprint={namespace.layout_fingerprint!r} does not match "
-                f"layout.fingerprint={layout.fingerprint!r}; build the namespace with "
-                "KeyNamespace.for_layout(layout)"
+                f"namespace.groups_fingerprint={namespace.groups_fingerprint!r} does not match "
+                f"model_groups.fingerprint={model_groups.fingerprint!r}; build the namespace with "
+                "KeyNamespace.for_groups(model_groups)"
             )
-        self.layout = layout
+        self.model_groups = model_groups
         self.namespace = namespace
         prefix = namespace.prefix
-        self._group_prefixes = [f"{prefix}|g{g}|" for g in range(layout.num_groups)]
-        self._hashes_per_block = [g.block_size // layout.hash_block_size for g in layout.groups]
+        self._group_prefixes = [f"{prefix}|g{g}|" for g in range(model_groups.num_groups)]
+        self._hashes_per_block = [
+            g.block_size // model_groups.hash_block_size for g in model_groups.groups
+        ]
 
     def hashes_per_block(self, group_id: int) -> int:
         self._check_group(group_id)

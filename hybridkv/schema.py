@@ -1,12 +1,12 @@
 """Declared configuration: one mechanism to parse, check and document what users write.
 
 Any process; imports pydantic only. Every user-facing configuration (the
-connector's extra config, each tier kind, a layout file) is a frozen,
+connector's extra config, each tier kind, a model-groups file) is a frozen,
 ``kw_only`` pydantic dataclass using ``CONFIG``: unknown keys are refused and
 each field declares its type, bounds, default and a one-line description.
 ``parse`` turns raw input into such an object; bad input raises one
 ``ConfigError`` that lists every problem with where it is, the value given
-and what is allowed. Objects that code builds (a layout's groups, key
+and what is allowed. Objects that code builds (a model's groups, key
 namespaces, transfer settings) declare their fields the same way and call
 ``check_fields``, so a value made in code meets the same declarations as one
 read from a file. ``field_docs`` describes the fields, for ``hybridkv

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybridkv.groups import KVGroup
 from hybridkv.hits import Hit, find_longest_hit
-from hybridkv.spec import KVGroup
 from tests.support.hits import (
     Store,
     chunked,
@@ -21,7 +21,7 @@ from tests.support.hits import (
     layouts,
     lookup,
     mamba,
-    random_layout,
+    random_groups,
     random_stores,
     reference,
     swa,
@@ -212,7 +212,7 @@ def test_wrong_answer_length_from_contains_is_reported() -> None:
 def test_matches_reference_on_many_seeded_cases() -> None:
     rng = random.Random(20240611)
     for _ in range(3000):
-        groups, alignment, use_eagle = random_layout(rng)
+        groups, alignment, use_eagle = random_groups(rng)
         max_hit_tokens = rng.randint(0, 160)
         stored = random_stores(rng, groups, max_hit_tokens)
         hit, _ = lookup(
@@ -223,11 +223,11 @@ def test_matches_reference_on_many_seeded_cases() -> None:
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layout=layouts(), max_hit_tokens=st.integers(0, 120), seed=st.integers(0, 2**32))
+@given(model_groups=layouts(), max_hit_tokens=st.integers(0, 120), seed=st.integers(0, 2**32))
 def test_matches_brute_force_reference(
-    layout: tuple[list[KVGroup], int | None, bool], max_hit_tokens: int, seed: int
+    model_groups: tuple[list[KVGroup], int | None, bool], max_hit_tokens: int, seed: int
 ) -> None:
-    groups, alignment, use_eagle = layout
+    groups, alignment, use_eagle = model_groups
     stored = random_stores(random.Random(seed), groups, max_hit_tokens)
     hit, store = lookup(
         groups, stored, max_hit_tokens, alignment_tokens=alignment, use_eagle=use_eagle

@@ -34,14 +34,14 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from hybridkv.groups import GroupKind, KVGroup
 from hybridkv.hits import Hit, find_longest_hit
-from hybridkv.spec import GroupKind, KVGroup
 from hybridkv.tools.presets import deepseek_v4_flash, deepseek_v4_pro
 from tests.support.hits import (
     chunked,
     full,
     mamba,
-    random_layout,
+    random_groups,
     random_stores,
     reference,
     swa,
@@ -49,7 +49,7 @@ from tests.support.hits import (
 
 
 def vllm_spec(group: KVGroup) -> KVCacheSpec:
-    """A vLLM spec per group; equal ``spec_key`` <=> equal vLLM spec.
+    """A vLLM spec per group; equal ``search_key`` <=> equal vLLM spec.
 
     The page size enters through ``page_size_padded`` (the tiny unpadded page is
     always smaller), so groups differing only in page size stay separate specs.
@@ -153,7 +153,7 @@ def hash_block_size_for(rng: random.Random, groups: list[KVGroup]) -> int:
 STORE_STYLES = ("dense", "holes", "holes", "holes", "prefix", "sparse", "empty")
 
 
-def three_kind_layout(rng: random.Random) -> tuple[list[KVGroup], int | None, bool]:
+def three_kind_groups(rng: random.Random) -> tuple[list[KVGroup], int | None, bool]:
     """Sliding window + Mamba (+ full attention): where later passes shrink the hit."""
     sizes = [rng.choice([1, 2, 4, 8]) for _ in range(3)]
     window = rng.randint(1, 4 * sizes[0] + 3)
@@ -170,8 +170,8 @@ def test_matches_vllm_coordinator_on_random_layouts() -> None:
     rng = random.Random(0x5EED)
     counts = {"cases": 0, "eagle": 0, "hits": 0, "one group": 0, "3+ passes": 0}
     for case in range(5000):
-        make_layout = three_kind_layout if case % 5 == 4 else random_layout
-        groups, alignment, use_eagle = make_layout(rng)
+        make_groups = three_kind_groups if case % 5 == 4 else random_groups
+        groups, alignment, use_eagle = make_groups(rng)
         if len(groups) == 1:
             alignment = None  # the engine aligns a single group to its block size
         align = alignment or math.lcm(*(g.block_size for g in groups))
@@ -246,7 +246,7 @@ def test_eagle_with_identical_full_groups_matches_vllm(num_groups: int, expected
     assert got.blocks_to_load == tuple(tuple(range(expected // 16)) for _ in groups)
 
 
-def eagle_layout(rng: random.Random) -> list[KVGroup]:
+def eagle_groups(rng: random.Random) -> list[KVGroup]:
     """Several groups, often of one spec: full attention copies, windows, states."""
     bs = rng.choice([1, 2, 4, 8, 16])
     groups = [full(bs, name="f0")]
@@ -268,7 +268,7 @@ def test_eagle_drops_where_vllm_drops_with_any_groups_flagged() -> None:
     rng = random.Random(0xEA61E)
     seen = {"flagged some": 0, "flagged none": 0, "on a multiple": 0, "hits": 0}
     for _ in range(3000):
-        groups = eagle_layout(rng)
+        groups = eagle_groups(rng)
         align = math.lcm(*(g.block_size for g in groups))
         request = align * rng.randint(1, 12) + (0 if rng.random() < 0.6 else rng.randint(1, 5))
         stored = random_stores(rng, groups, request, STORE_STYLES)
@@ -389,8 +389,8 @@ def test_deepseek_v4_layouts_match_vllm() -> None:
     presets = [deepseek_v4_flash(mtp=True), deepseek_v4_pro(mtp=True)]
     for case in range(300):
         if case % 3 == 0:
-            layout = presets[case % 2]
-            groups = list(layout.groups)
+            model_groups = presets[case % 2]
+            groups = list(model_groups.groups)
             mtp = 1  # the odd sliding layers' group holds the MTP layer
         else:
             groups = dsv4_variant(rng)

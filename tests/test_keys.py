@@ -17,6 +17,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.keys import (
     BlockHash,
     HashAlgo,
@@ -26,7 +27,6 @@ from hybridkv.keys import (
     hash_block_tokens,
     sanitize_model_id,
 )
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 
 
 def digest(algo: HashAlgo, data: bytes) -> bytes:
@@ -106,21 +106,21 @@ def test_hash_block_tokens_chains_from_the_root(algo: HashAlgo) -> None:
 STABILITY_SCRIPT = """
 import json
 from hybridkv.keys import HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 tokens = [(i * 7919) % 50000 for i in range(1000)]
 out = {}
 for algo in HashAlgo:
     h = RequestBlockHasher(16, algo=algo, cache_salt="s", lora_name="l")
     h.extend(tokens)
     out[algo.value] = [x.hex() for x in h.block_hashes]
-layout = KVLayoutSpec(
+layout = ModelGroups(
     groups=(KVGroup(kind=GroupKind.FULL, block_size=32, page_size_bytes=64, layer_names=("a",)),
             KVGroup(kind=GroupKind.MAMBA, block_size=16, page_size_bytes=64, layer_names=("b",))),
     model_id="org/model",
 )
 h = RequestBlockHasher(layout.hash_block_size)
 h.extend(tokens)
-kb = KeyBuilder(layout, KeyNamespace.for_layout(layout, tp_rank=1, tp_size=2))
+kb = KeyBuilder(layout, KeyNamespace.for_groups(layout, tp_rank=1, tp_size=2))
 out["keys"] = kb.keys(0, h.block_hashes, range(10)) + kb.keys(1, h.block_hashes, range(10))
 print(json.dumps(out))
 """
@@ -290,7 +290,7 @@ KEY_CHARS = re.compile(r"^[A-Za-z0-9._~|-]+$")
 
 def test_namespace_prefix_format() -> None:
     ns = KeyNamespace(
-        model_id="tiny-model_1.0", layout_fingerprint="0123abcd", tp_rank=2, tp_size=4
+        model_id="tiny-model_1.0", groups_fingerprint="0123abcd", tp_rank=2, tp_size=4
     )
     assert ns.prefix == "tiny-model_1.0|0123abcd|tp2of4"
 
@@ -307,24 +307,24 @@ def test_model_ids_are_sanitized_without_collisions() -> None:
 @given(st.text(min_size=1, max_size=120))
 @settings(max_examples=200, deadline=None)
 def test_any_model_id_gives_an_ascii_key_without_spaces(model_id: str) -> None:
-    prefix = KeyNamespace(model_id=model_id, layout_fingerprint="ab12").prefix
+    prefix = KeyNamespace(model_id=model_id, groups_fingerprint="ab12").prefix
     assert KEY_CHARS.match(prefix), prefix
     assert prefix.count("|") == 2
 
 
 def test_invalid_namespace_lists_every_problem() -> None:
     with pytest.raises(ValueError) as info:
-        KeyNamespace(model_id="", layout_fingerprint="XYZ", tp_rank=0, tp_size=1)
+        KeyNamespace(model_id="", groups_fingerprint="XYZ", tp_rank=0, tp_size=1)
     message = str(info.value)
-    assert "model_id=''" in message and "layout_fingerprint='XYZ'" in message
-    assert "use KVLayoutSpec.fingerprint" in message
+    assert "model_id=''" in message and "groups_fingerprint='XYZ'" in message
+    assert "use ModelGroups.fingerprint" in message
     with pytest.raises(ValueError, match=r"tp_rank=2 must be in \[0, tp_size=2\)"):
-        KeyNamespace(model_id="m", layout_fingerprint="ab", tp_rank=2, tp_size=2)
+        KeyNamespace(model_id="m", groups_fingerprint="ab", tp_rank=2, tp_size=2)
     with pytest.raises(ValueError, match="tp_size=0: must be greater than 0"):
-        KeyNamespace(model_id="m", layout_fingerprint="ab", tp_rank=0, tp_size=0)
+        KeyNamespace(model_id="m", groups_fingerprint="ab", tp_rank=0, tp_size=0)
 
 
-def dsv4_like_layout(model_id: str = "org/dsv4") -> KVLayoutSpec:
+def dsv4_like_groups(model_id: str = "org/dsv4") -> ModelGroups:
     def g(kind: GroupKind, block_size: int, name: str, window: int | None = None) -> KVGroup:
         return KVGroup(
             kind=kind,
@@ -334,7 +334,7 @@ def dsv4_like_layout(model_id: str = "org/dsv4") -> KVLayoutSpec:
             sliding_window=window,
         )
 
-    return KVLayoutSpec(
+    return ModelGroups(
         groups=(
             g(GroupKind.FULL, 256, "a"),
             g(GroupKind.SLIDING_WINDOW, 64, "b", 128),
@@ -346,10 +346,10 @@ def dsv4_like_layout(model_id: str = "org/dsv4") -> KVLayoutSpec:
 
 
 def test_group_block_key_uses_the_hash_of_its_last_hash_block() -> None:
-    layout = dsv4_like_layout()
-    ns = KeyNamespace.for_layout(layout)
-    builder = KeyBuilder(layout, ns)
-    hasher = RequestBlockHasher(layout.hash_block_size)
+    model_groups = dsv4_like_groups()
+    ns = KeyNamespace.for_groups(model_groups)
+    builder = KeyBuilder(model_groups, ns)
+    hasher = RequestBlockHasher(model_groups.hash_block_size)
     hasher.extend(list(range(600)))  # 150 hash blocks of 4 tokens
     hashes = hasher.block_hashes
     assert builder.num_full_blocks(0, len(hashes)) == 2
@@ -367,8 +367,8 @@ def test_group_block_key_uses_the_hash_of_its_last_hash_block() -> None:
 
 
 def test_keys_of_incomplete_blocks_and_bad_groups_are_errors() -> None:
-    layout = dsv4_like_layout()
-    builder = KeyBuilder(layout, KeyNamespace.for_layout(layout))
+    model_groups = dsv4_like_groups()
+    builder = KeyBuilder(model_groups, KeyNamespace.for_groups(model_groups))
     hasher = RequestBlockHasher(4)
     hasher.extend(list(range(300)))  # 75 hash blocks: group 0 has 1 full block
     with pytest.raises(ValueError, match=r"group 0 block 1 is not complete: 75 hashes"):
@@ -377,11 +377,11 @@ def test_keys_of_incomplete_blocks_and_bad_groups_are_errors() -> None:
         builder.keys(4, hasher.block_hashes, [0])
 
 
-def test_key_builder_rejects_a_namespace_of_another_layout() -> None:
-    layout = dsv4_like_layout()
-    other = KeyNamespace(model_id="org/dsv4", layout_fingerprint="00")
-    with pytest.raises(ValueError, match=r"does not match layout\.fingerprint"):
-        KeyBuilder(layout, other)
+def test_key_builder_rejects_a_namespace_of_other_groups() -> None:
+    model_groups = dsv4_like_groups()
+    other = KeyNamespace(model_id="org/dsv4", groups_fingerprint="00")
+    with pytest.raises(ValueError, match=r"does not match model_groups\.fingerprint"):
+        KeyBuilder(model_groups, other)
 
 
 @given(
@@ -403,8 +403,8 @@ def test_a_key_depends_on_exactly_the_tokens_up_to_its_block_end(
         )
         for i, m in enumerate(multiples)
     )
-    layout = KVLayoutSpec(groups=groups, hash_block_size=hash_block_size)
-    builder = KeyBuilder(layout, KeyNamespace.for_layout(layout))
+    model_groups = ModelGroups(groups=groups, hash_block_size=hash_block_size)
+    builder = KeyBuilder(model_groups, KeyNamespace.for_groups(model_groups))
     tokens = list(range(num_tokens))
     changed = list(tokens)
     if num_tokens:
@@ -427,29 +427,29 @@ def test_a_key_depends_on_exactly_the_tokens_up_to_its_block_end(
 
 
 def test_keys_differ_by_model_layout_rank_and_group() -> None:
-    layout = dsv4_like_layout()
+    model_groups = dsv4_like_groups()
     hasher = RequestBlockHasher(4)
     hasher.extend(list(range(256)))
     hashes = hasher.block_hashes
 
-    def key(layout: KVLayoutSpec, group_id: int, **ns: int) -> str:
-        builder = KeyBuilder(layout, KeyNamespace.for_layout(layout, **ns))
+    def key(model_groups: ModelGroups, group_id: int, **ns: int) -> str:
+        builder = KeyBuilder(model_groups, KeyNamespace.for_groups(model_groups, **ns))
         return builder.keys(group_id, hashes, [0])[0]
 
-    other_layout = KVLayoutSpec(
+    other_groups = ModelGroups(
         groups=tuple(
             KVGroup(**{**g.to_dict(), "kind": g.kind, "block_size": 2 * g.block_size})
-            for g in layout.groups
+            for g in model_groups.groups
         ),
-        model_id=layout.model_id,
+        model_id=model_groups.model_id,
     )
     keys = {
-        key(layout, 2),
-        key(layout, 3),
-        key(dsv4_like_layout("org/other"), 2),
-        key(other_layout, 2),
-        key(layout, 2, tp_rank=1, tp_size=2),
-        key(layout, 2, tp_rank=0, tp_size=2),
+        key(model_groups, 2),
+        key(model_groups, 3),
+        key(dsv4_like_groups("org/other"), 2),
+        key(other_groups, 2),
+        key(model_groups, 2, tp_rank=1, tp_size=2),
+        key(model_groups, 2, tp_rank=0, tp_size=2),
     }
     assert len(keys) == 6
     assert all(KEY_CHARS.match(k) for k in keys)

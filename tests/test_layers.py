@@ -20,7 +20,7 @@ LAYERS: dict[str, int] = {
     "hybridkv.native": 0,
     "hybridkv.metric_fields": 0,
     "hybridkv.tiers": 1,
-    "hybridkv.spec": 2,
+    "hybridkv.groups": 2,
     "hybridkv.keys": 3,
     "hybridkv.layout": 3,
     "hybridkv.hits": 4,
@@ -34,7 +34,7 @@ LAYERS: dict[str, int] = {
 }
 """A module may import modules of a lower layer, or of its own package."""
 
-ENGINE_NEUTRAL = ("hybridkv.tiers", "hybridkv.spec", "hybridkv.keys", "hybridkv.hits",
+ENGINE_NEUTRAL = ("hybridkv.tiers", "hybridkv.groups", "hybridkv.keys", "hybridkv.hits",
                   "hybridkv.layout", "hybridkv.transfer", "hybridkv.connector")  # fmt: skip
 
 

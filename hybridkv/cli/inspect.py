@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from hybridkv.cli.tables import format_bytes
+from hybridkv.groups import ModelGroups
+from hybridkv.groups.kinds import rules_for
 from hybridkv.hits import find_longest_hit
-from hybridkv.spec import KVLayoutSpec
-from hybridkv.spec.kinds import rules_for
-from hybridkv.tools.presets import PRESETS, load_layout
+from hybridkv.tools.presets import PRESETS, load_groups
 
 DEFAULT_HIT_TOKENS = 32768
 
@@ -82,13 +82,13 @@ class InspectReport:
 
 
 def compute_report(
-    layout: KVLayoutSpec,
+    model_groups: ModelGroups,
     *,
     hit_tokens: int = DEFAULT_HIT_TOKENS,
     alignment_tokens: int | None = None,
 ) -> InspectReport:
     """The numbers ``inspect`` prints; ValueError for an impossible hit or alignment."""
-    align = layout.scheduler_block_size if alignment_tokens is None else alignment_tokens
+    align = model_groups.scheduler_block_size if alignment_tokens is None else alignment_tokens
     is_int = isinstance(hit_tokens, int) and not isinstance(hit_tokens, bool)
     if not is_int or hit_tokens < align:
         raise ValueError(
@@ -96,9 +96,9 @@ def compute_report(
             "(hits are aligned to it)"
         )
     # A request one token longer than the hit: the hit search may use all of it.
-    hit = find_longest_hit(layout.groups, hit_tokens, _everything, alignment_tokens=align)
+    hit = find_longest_hit(model_groups.groups, hit_tokens, _everything, alignment_tokens=align)
     loads = []
-    for group_id, group in enumerate(layout.groups):
+    for group_id, group in enumerate(model_groups.groups):
         hybrid_blocks = len(hit.blocks_to_load[group_id])
         blind_blocks = hit.num_tokens // group.block_size
         rule = rules_for(group.kind)
@@ -129,10 +129,10 @@ def compute_report(
     stored = sum(load.stored_bytes for load in loads)
     blind_stored = sum(load.blind_stored_bytes for load in loads)
     return InspectReport(
-        model_id=layout.model_id,
-        fingerprint=layout.fingerprint,
-        scheduler_block_size=layout.scheduler_block_size,
-        hash_block_size=layout.hash_block_size,
+        model_id=model_groups.model_id,
+        fingerprint=model_groups.fingerprint,
+        scheduler_block_size=model_groups.scheduler_block_size,
+        hash_block_size=model_groups.hash_block_size,
         requested_hit_tokens=hit_tokens,
         hit_tokens=hit.num_tokens,
         alignment_tokens=align,
@@ -153,7 +153,7 @@ def _everything(group_id: int, block_ids: Sequence[int]) -> list[bool]:
 
 def render_text(report: InspectReport) -> str:
     lines = [
-        f"model {report.model_id}  layout fingerprint {report.fingerprint}",
+        f"model {report.model_id}  groups fingerprint {report.fingerprint}",
         f"scheduler block size {report.scheduler_block_size} tokens, "
         f"hash block size {report.hash_block_size} tokens",
         "",
@@ -185,8 +185,9 @@ def render_text(report: InspectReport) -> str:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "layout",
-        help=f"a preset ({', '.join(sorted(PRESETS))}) or a layout JSON file",
+        "groups",
+        help=f"a preset ({', '.join(sorted(PRESETS))}) or a JSON file of a model's groups "
+        "(ModelGroups.to_dict())",
     )
     parser.add_argument(
         "--hit-tokens",
@@ -204,9 +205,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    layout = load_layout(args.layout)
+    model_groups = load_groups(args.groups)
     report = compute_report(
-        layout, hit_tokens=args.hit_tokens, alignment_tokens=args.alignment_tokens
+        model_groups, hit_tokens=args.hit_tokens, alignment_tokens=args.alignment_tokens
     )
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

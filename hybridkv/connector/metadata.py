@@ -40,7 +40,7 @@ class BlockTransfer:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LoadSpec:
+class LoadPlan:
     """Load a request's stored blocks so it can resume at ``num_tokens``.
 
     ``base_tokens`` is what the engine had before the load. ``planned=False``
@@ -59,7 +59,7 @@ class LoadSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StoreSpec:
+class StorePlan:
     """Store a request's blocks computed this step (gathered before the step ends)."""
 
     req_id: str
@@ -70,8 +70,8 @@ class StoreSpec:
 class ConnectorMetadata:
     """One step's instructions for every worker."""
 
-    loads: tuple[LoadSpec, ...] = ()
-    stores: tuple[StoreSpec, ...] = ()
+    loads: tuple[LoadPlan, ...] = ()
+    stores: tuple[StorePlan, ...] = ()
     cancelled_req_ids: frozenset[str] = frozenset()
     """Requests preempted or finished: cancel their loads still in flight."""
     written_block_ids: tuple[int, ...] = ()

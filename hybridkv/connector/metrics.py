@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from hybridkv.connector.stats import GroupCounts, SchedulerStats, WorkerStats
+from hybridkv.groups import ModelGroups
 from hybridkv.metric_fields import Metric, MetricType, declared, label_value
-from hybridkv.spec import KVLayoutSpec
 from hybridkv.tiers.base import TierStats
 
 SCHEDULER_STATE_ENTRIES = Metric(
@@ -61,10 +61,10 @@ def scheduler_samples(stats: SchedulerStats, state_sizes: dict[str, int]) -> Ite
 
 
 def worker_samples(
-    stats: WorkerStats, layout: KVLayoutSpec, tiers: dict[str, TierStats]
+    stats: WorkerStats, model_groups: ModelGroups, tiers: dict[str, TierStats]
 ) -> Iterator[Sample]:
     yield from samples_of(stats)
-    for group_id, (group, counts) in enumerate(zip(layout.groups, stats.groups, strict=True)):
+    for group_id, (group, counts) in enumerate(zip(model_groups.groups, stats.groups, strict=True)):
         yield from samples_of(counts, (str(group_id), group.kind.value))
     for tier, tier_stats in tiers.items():
         yield from samples_of(tier_stats, (tier,))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.connector.metadata import LoadResult, LoadSpec
+from hybridkv.connector.metadata import LoadPlan, LoadResult
 from hybridkv.hits import Hit
 from hybridkv.keys import RequestBlockHasher
 
@@ -44,7 +44,7 @@ class RequestState:
     """The last lookup's hit, until the engine allocates for it."""
     hit_base_tokens: int = 0
     hit_tier: int | None = None
-    load: LoadSpec | None = None
+    load: LoadPlan | None = None
     """The load sent to the workers and not yet reported by all of them."""
     load_results: dict[int, LoadResult] = field(default_factory=dict)
     """Results of ``load`` so far, by tensor-parallel rank."""
@@ -52,7 +52,7 @@ class RequestState:
     finished: bool = False
     cacheable: bool = True
 
-    def extend(self, token_ids: Sequence[int], end: int) -> None:
+    def hash_up_to(self, token_ids: Sequence[int], end: int) -> None:
         """Hash the request's tokens up to ``end`` (those not hashed yet)."""
         have = self.hasher.num_tokens
         if end > have:

@@ -25,20 +25,20 @@ from hybridkv.connector.metadata import (
     BlockTransfer,
     ConnectorMetadata,
     LoadOutcome,
+    LoadPlan,
     LoadResult,
-    LoadSpec,
     RankReport,
-    StoreSpec,
+    StorePlan,
     WorkerReport,
 )
 from hybridkv.connector.requests import GroupBlockTable, RequestState
 from hybridkv.connector.stats import SchedulerStats
 from hybridkv.connector.steps import LookupResult, ScheduledRequest, StepInput
 from hybridkv.connector.stores import StorePlanner, make_transfer
+from hybridkv.groups import ModelGroups
+from hybridkv.groups.kinds import rules_for
 from hybridkv.hits import Hit, drafting_groups, find_longest_hit
 from hybridkv.keys import BlockHash, HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
-from hybridkv.spec import KVLayoutSpec
-from hybridkv.spec.kinds import rules_for
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class ConnectorScheduler:
 
     def __init__(
         self,
-        layout: KVLayoutSpec,
+        model_groups: ModelGroups,
         lookup: KeyLookup,
         *,
         alignment_tokens: int | None = None,
@@ -67,24 +67,26 @@ class ConnectorScheduler:
     ) -> None:
         if lookup.num_ranks != tp_size:
             raise ValueError(f"the lookup answers for {lookup.num_ranks} ranks, not {tp_size}")
-        self.layout = layout
+        self.model_groups = model_groups
         self.lookup_view = lookup
         self.selection = selection
-        self.alignment_tokens = alignment_tokens or layout.scheduler_block_size
+        self.alignment_tokens = alignment_tokens or model_groups.scheduler_block_size
         self.hash_algo = hash_algo
         self.tp_size = tp_size
         self.use_eagle = use_eagle
         self.eagle_group_ids = eagle_group_ids
         self.builders = [
-            KeyBuilder(layout, KeyNamespace.for_layout(layout, tp_rank=r, tp_size=tp_size))
+            KeyBuilder(
+                model_groups, KeyNamespace.for_groups(model_groups, tp_rank=r, tp_size=tp_size)
+            )
             for r in range(tp_size)
         ]
         self.stats = SchedulerStats()
         self._requests: dict[str, RequestState] = {}
-        self._loads: list[LoadSpec] = []
+        self._loads: list[LoadPlan] = []
         self._cancelled: set[str] = set()
-        drafting = drafting_groups(layout.groups, use_eagle, eagle_group_ids)
-        self.stores = StorePlanner(layout, self.builders[0], tp_size, drafting)
+        drafting = drafting_groups(model_groups.groups, use_eagle, eagle_group_ids)
+        self.stores = StorePlanner(model_groups, self.builders[0], tp_size, drafting)
 
     # --- lookups and loads ---------------------------------------------------
 
@@ -114,7 +116,7 @@ class ConnectorScheduler:
     ) -> LookupResult:
         """Tokens beyond ``num_computed_tokens`` that can be loaded (the engine keeps >= 1)."""
         st = self._state(req_id, cache_salt, lora_name)
-        st.extend(token_ids, len(token_ids))
+        st.hash_up_to(token_ids, len(token_ids))
         st.hit = None
         max_hit_tokens = len(token_ids) - 1
         blocked = st.load is not None or not st.cacheable
@@ -173,7 +175,7 @@ class ConnectorScheduler:
             return found
 
         return find_longest_hit(
-            self.layout.groups,
+            self.model_groups.groups,
             max_hit_tokens,
             contains,
             alignment_tokens=self.alignment_tokens,
@@ -186,7 +188,7 @@ class ConnectorScheduler:
         first miss, so the other groups' blocks past a lost one are never asked about; they
         were most likely lost with it (a pool restarted empty) and are sent again."""
         builder = self.builders[0]
-        for group_id, group in enumerate(self.layout.groups):
+        for group_id, group in enumerate(self.model_groups.groups):
             num_full = builder.num_full_blocks(group_id, len(chain))
             indices = range(num_tokens // group.block_size, num_full)
             hashes = builder.block_hashes(group_id, chain, indices)
@@ -202,10 +204,10 @@ class ConnectorScheduler:
                 st.hit = None
             return
         base, hit = st.hit_base_tokens, st.hit
-        spec = self._plan_load(req_id, st, block_ids, base, base + num_external_tokens, hit)
-        st.hit, st.load, st.load_results = None, spec, {}
-        self._loads.append(spec)
-        if spec.planned:
+        plan = self._plan_load(req_id, st, block_ids, base, base + num_external_tokens, hit)
+        st.hit, st.load, st.load_results = None, plan, {}
+        self._loads.append(plan)
+        if plan.planned:
             self.stats.loads_planned += 1
         else:
             self.stats.loads_unplanned += 1
@@ -218,11 +220,15 @@ class ConnectorScheduler:
         base: int,
         target: int,
         hit: Hit | None,
-    ) -> LoadSpec:
-        unplanned = LoadSpec(
+    ) -> LoadPlan:
+        unplanned = LoadPlan(
             req_id=req_id, num_tokens=target, base_tokens=base, transfers=(), planned=False
         )
-        if hit is None or hit.num_tokens != target or len(block_ids) != self.layout.num_groups:
+        if (
+            hit is None
+            or hit.num_tokens != target
+            or len(block_ids) != self.model_groups.num_groups
+        ):
             logger.warning(
                 "request %s: the engine asked to load up to token %d but the lookup found %s; "
                 "recomputing instead",
@@ -232,7 +238,7 @@ class ConnectorScheduler:
             )
             return unplanned
         transfers: list[BlockTransfer] = []
-        for group_id, group in enumerate(self.layout.groups):
+        for group_id, group in enumerate(self.model_groups.groups):
             ids = block_ids[group_id]
             first = base // group.block_size  # the engine holds the blocks before
             indices = [i for i in hit.blocks_to_load[group_id] if i >= first]
@@ -250,7 +256,7 @@ class ConnectorScheduler:
             if kept:
                 hashes = self.builders[0].block_hashes(group_id, st.hasher.block_hashes, kept)
                 transfers.append(make_transfer(group_id, hashes, [ids[i] for i in kept], kept))
-        return LoadSpec(
+        return LoadPlan(
             req_id=req_id,
             num_tokens=target,
             base_tokens=base,
@@ -274,12 +280,12 @@ class ConnectorScheduler:
             loads=tuple(self._loads),
             stores=tuple(stores),
             cancelled_req_ids=frozenset(self._cancelled),
-            written_block_ids=step.written_block_ids(self.layout),
+            written_block_ids=step.written_block_ids(self.model_groups),
         )
         self._loads, self._cancelled = [], set()
         return meta
 
-    def _plan_stores(self, req: ScheduledRequest) -> StoreSpec | None:
+    def _plan_stores(self, req: ScheduledRequest) -> StorePlan | None:
         st = self._requests.get(req.req_id)
         if st is None:
             st = self._state(req.req_id, None, None)
@@ -312,7 +318,7 @@ class ConnectorScheduler:
         st.load_results[tp_rank] = result
         if len(st.load_results) < self.tp_size:
             return  # the other ranks are still loading
-        spec, results = st.load, st.load_results
+        plan, results = st.load, st.load_results
         st.load, st.load_results = None, {}
         outcomes = sorted({r.outcome.value for r in results.values()})
         if outcomes != [LoadOutcome.OK.value]:
@@ -323,7 +329,7 @@ class ConnectorScheduler:
             logger.warning(
                 "request %s: load of %d tokens ended %s; the engine recomputes%s",
                 result.req_id,
-                spec.num_tokens - spec.base_tokens,
+                plan.num_tokens - plan.base_tokens,
                 "/".join(outcomes),
                 " (a later lookup may find a shorter hit)" if retry else "",
             )
@@ -350,17 +356,17 @@ class ConnectorScheduler:
         the bytes each tier serves. Costs one lookup per tier (for metrics).
         """
         st = self._requests.get(req_id)
-        spec = None if st is None else st.load
-        if spec is None or not spec.planned or spec.num_tokens <= spec.base_tokens:
+        plan = None if st is None else st.load
+        if plan is None or not plan.planned or plan.num_tokens <= plan.base_tokens:
             return {}
-        num_tokens = spec.num_tokens - spec.base_tokens
-        if spec.tier_index is not None:
-            return {spec.tier_index: num_tokens}
+        num_tokens = plan.num_tokens - plan.base_tokens
+        if plan.tier_index is not None:
+            return {plan.tier_index: num_tokens}
         view = self.lookup_view
         order = sorted(range(view.num_tiers), key=lambda i: (view.load_weights[i], i))
         served = [0] * view.num_tiers
-        for t in spec.transfers:
-            block_bytes = self.layout.groups[t.group_id].block_bytes
+        for t in plan.transfers:
+            block_bytes = self.model_groups.groups[t.group_id].block_bytes
             todo = [
                 h for h in t.block_hashes if not self.stores.is_storing(BlockRef(t.group_id, h))
             ]
@@ -394,10 +400,10 @@ class ConnectorScheduler:
     def _state(self, req_id: str, cache_salt: str | None, lora_name: str | None) -> RequestState:
         st = self._requests.get(req_id)
         if st is None:
-            size = self.layout.hash_block_size
+            size = self.model_groups.hash_block_size
             salt, algo = cache_salt, self.hash_algo
             hasher = RequestBlockHasher(size, algo=algo, cache_salt=salt, lora_name=lora_name)
-            st = RequestState(hasher=hasher, table=GroupBlockTable(self.layout.num_groups))
+            st = RequestState(hasher=hasher, table=GroupBlockTable(self.model_groups.num_groups))
             self._requests[req_id] = st
         return st
 

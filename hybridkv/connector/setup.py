@@ -19,9 +19,9 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.lookup import KeyLookup, LookupView, TierSlice
 from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.worker import ConnectorWorker
+from hybridkv.groups import ModelGroups
+from hybridkv.groups.kinds import GroupKind, rules_for
 from hybridkv.schema import ConfigError
-from hybridkv.spec import KVLayoutSpec
-from hybridkv.spec.kinds import GroupKind, rules_for
 from hybridkv.tiers.base import Tier, TierReach
 from hybridkv.tiers.registry import TierConfig, build_tier, build_tiers
 from hybridkv.tiers.tiered.store import TieredStore
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class EngineFacts:
     """What the connector needs to know about the engine, read once by its adapter."""
 
-    layout: KVLayoutSpec
+    model_groups: ModelGroups
     alignment_tokens: int
     """The engine's own granularity of prefix-cache hits."""
     tp_size: int = 1
@@ -59,7 +59,7 @@ def hit_alignment(config: ConnectorConfig, facts: EngineFacts) -> int:
             f"hit_alignment_tokens={align} must be a multiple of the engine's alignment "
             f"{facts.alignment_tokens}"
         )
-    for group_id, group in enumerate(facts.layout.groups):
+    for group_id, group in enumerate(facts.model_groups.groups):
         problem = rules_for(group.kind).alignment_problem(group, align)
         if problem:
             problems.append(f"group {group_id}: {problem}; leave hit_alignment_tokens unset")
@@ -138,7 +138,7 @@ def build_scheduler(
     """
     lookup, opened = build_lookup(config, facts, worker_store=worker_store)
     scheduler = ConnectorScheduler(
-        facts.layout,
+        facts.model_groups,
         lookup,
         alignment_tokens=hit_alignment(config, facts),
         hash_algo=config.hash_algo,
@@ -157,7 +157,7 @@ def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -
     store = build_store(config.for_rank(tp_rank, facts.tp_size), config)
     lower_switch_interval(config.thread_switch_interval_s)
     return ConnectorWorker(
-        facts.layout,
+        facts.model_groups,
         store,
         tp_rank=tp_rank,
         tp_size=facts.tp_size,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hybridkv.spec import GroupKind, KVLayoutSpec
+from hybridkv.groups import GroupKind, ModelGroups
 
 
 class LookupResult(NamedTuple):
@@ -41,7 +41,7 @@ class StepInput:
     scheduled: Sequence[ScheduledRequest] = ()
     preempted_req_ids: frozenset[str] = frozenset()
 
-    def written_block_ids(self, layout: KVLayoutSpec) -> tuple[int, ...]:
+    def written_block_ids(self, model_groups: ModelGroups) -> tuple[int, ...]:
         """The blocks this step's forward pass may write, in any group: those handed to
         a request this step, less the blocks of a new or resumed request's table that
         lie wholly before its computed tokens (prefix-cache hits, only read). A Mamba
@@ -52,7 +52,7 @@ class StepInput:
             if req.new_block_ids is None:
                 continue
             for group_id, ids in enumerate(req.new_block_ids):
-                group = layout.groups[group_id]
+                group = model_groups.groups[group_id]
                 first = 0
                 if req.replaces_block_ids:
                     first = req.num_computed_tokens // group.block_size

@@ -15,12 +15,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from hybridkv.connector.lookup import BoundedKeySet
-from hybridkv.connector.metadata import BlockRef, BlockTransfer, RankReport, StoreSpec
+from hybridkv.connector.metadata import BlockRef, BlockTransfer, RankReport, StorePlan
 from hybridkv.connector.requests import RequestState
 from hybridkv.connector.steps import ScheduledRequest
+from hybridkv.groups import ModelGroups
+from hybridkv.groups.kinds import rules_for
 from hybridkv.keys import BlockHash, KeyBuilder
-from hybridkv.spec import KVLayoutSpec
-from hybridkv.spec.kinds import rules_for
 
 RECENT_STORES = 1 << 16
 """Blocks sent for storing recently: not sent again while remembered."""
@@ -29,13 +29,13 @@ RECENT_STORES = 1 << 16
 class StorePlanner:
     def __init__(
         self,
-        layout: KVLayoutSpec,
+        model_groups: ModelGroups,
         builder: KeyBuilder,
         tp_size: int,
         drafting: Sequence[bool] | None = None,
     ) -> None:
-        self.layout = layout
-        self.drafting = tuple(drafting or (False,) * layout.num_groups)
+        self.model_groups = model_groups
+        self.drafting = tuple(drafting or (False,) * model_groups.num_groups)
         """Per group: hits drop its last block (EAGLE), so stores keep one block more."""
         self.builder = builder
         """Any rank's builder: block hashes are the same for every rank."""
@@ -46,15 +46,15 @@ class StorePlanner:
 
     def plan(
         self, st: RequestState, req: ScheduledRequest, alignment_tokens: int
-    ) -> StoreSpec | None:
+    ) -> StorePlan | None:
         """The blocks of every group that this step of ``req`` completes (not sent yet)."""
         start = req.num_computed_tokens
         end = min(start + req.num_scheduled_tokens, len(req.token_ids))
         if end <= start or not st.cacheable:
             return None
-        st.extend(req.token_ids, end)
+        st.hash_up_to(req.token_ids, end)
         transfers: list[BlockTransfer] = []
-        for group_id, group in enumerate(self.layout.groups):
+        for group_id, group in enumerate(self.model_groups.groups):
             ids = st.table.block_ids[group_id]
             rule = rules_for(group.kind)
             stored = rule.stored_blocks(
@@ -80,7 +80,7 @@ class StorePlanner:
             )
         if not transfers:
             return None
-        return StoreSpec(req_id=req.req_id, transfers=tuple(transfers))
+        return StorePlan(req_id=req.req_id, transfers=tuple(transfers))
 
     def is_storing(self, ref: BlockRef) -> bool:
         return ref in self._storing

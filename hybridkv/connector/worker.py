@@ -25,16 +25,16 @@ from hybridkv.connector.metadata import (
     BlockRef,
     BlockTransfer,
     LoadOutcome,
+    LoadPlan,
     LoadResult,
-    LoadSpec,
     RankReport,
-    StoreSpec,
+    StorePlan,
     WorkerReport,
 )
 from hybridkv.connector.stats import WorkerStats
+from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace
 from hybridkv.layout import CanonicalKVCaches, canonicalize
-from hybridkv.spec import KVLayoutSpec
 from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.tiered.store import TieredStore
 from hybridkv.transfer import (
@@ -63,7 +63,7 @@ class _Part:
 
 @dataclass(kw_only=True)
 class _Load:
-    spec: LoadSpec
+    plan: LoadPlan
     started: float
     parts: list[_Part]
     """Jobs not submitted yet (staging full, or a store of their blocks in flight)."""
@@ -79,21 +79,21 @@ class ConnectorWorker:
 
     def __init__(
         self,
-        layout: KVLayoutSpec,
+        model_groups: ModelGroups,
         store: TieredStore,
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
         transfer_config: TransferConfig | None = None,
     ) -> None:
-        self.layout = layout
+        self.model_groups = model_groups
         self.store = store
         self.tp_rank = tp_rank
         self.keys = KeyBuilder(
-            layout, KeyNamespace.for_layout(layout, tp_rank=tp_rank, tp_size=tp_size)
+            model_groups, KeyNamespace.for_groups(model_groups, tp_rank=tp_rank, tp_size=tp_size)
         )
         self.transfer_config = transfer_config or TransferConfig()
-        self.stats = WorkerStats.for_groups(layout.num_groups)
+        self.stats = WorkerStats.for_groups(model_groups.num_groups)
         self.caches: CanonicalKVCaches | None = None
         self.engine: TransferEngine | None = None
         self._loads: dict[str, _Load] = {}
@@ -107,7 +107,7 @@ class ConnectorWorker:
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> CanonicalKVCaches:
         """Describe the engine's KV tensors and start the transfer engine over them."""
-        return self.register_canonical(canonicalize(kv_caches, self.layout))
+        return self.register_canonical(canonicalize(kv_caches, self.model_groups))
 
     def register_canonical(self, caches: CanonicalKVCaches) -> CanonicalKVCaches:
         if self.engine is not None:
@@ -137,21 +137,21 @@ class ConnectorWorker:
         if self.engine is not None and written_block_ids:
             self.engine.fence(written_block_ids)
 
-    def start_loads(self, loads: Sequence[LoadSpec]) -> None:
+    def start_loads(self, loads: Sequence[LoadPlan]) -> None:
         """Submit new loads, and retry parts that had to wait last time."""
         now = time.monotonic()
-        for spec in loads:
-            outcome = LoadOutcome.OK if spec.planned else LoadOutcome.UNPLANNED
-            parts = self._split(spec.transfers, tier_index=spec.tier_index)
-            load = _Load(spec=spec, started=now, parts=parts, outcome=outcome)
-            self._loads[spec.req_id] = load
+        for plan in loads:
+            outcome = LoadOutcome.OK if plan.planned else LoadOutcome.UNPLANNED
+            parts = self._split(plan.transfers, tier_index=plan.tier_index)
+            load = _Load(plan=plan, started=now, parts=parts, outcome=outcome)
+            self._loads[plan.req_id] = load
         self._submit_waiting(now)
 
-    def save(self, stores: Sequence[StoreSpec]) -> None:
+    def save(self, stores: Sequence[StorePlan]) -> None:
         """Gather this step's blocks now; the tiers are written in the background."""
         engine = self._engine()
-        for spec in stores:
-            for p in self._split(spec.transfers):
+        for plan in stores:
+            for p in self._split(plan.transfers):
                 counts = self.stats.groups[p.part.group_id]
                 job_id = engine.submit_store((p.part,))
                 if job_id is None:
@@ -216,7 +216,7 @@ class ConnectorWorker:
         limit = max(self._engine().max_job_bytes // JOB_SHARE, 1)
         parts: list[_Part] = []
         for t in transfers:
-            per_job = max(1, limit // self.layout.groups[t.group_id].block_bytes)
+            per_job = max(1, limit // self.model_groups.groups[t.group_id].block_bytes)
             for start in range(0, len(t.block_ids), per_job):
                 hashes = t.block_hashes[start : start + per_job]
                 keys = self.keys.keys_of(t.group_id, hashes)
@@ -247,7 +247,7 @@ class ConnectorWorker:
                 return  # staging full: retry later
             load.parts.pop(0)
             load.jobs.add(job_id)
-            self._job_loads[job_id] = (load.spec.req_id, waiting)
+            self._job_loads[job_id] = (load.plan.req_id, waiting)
 
     def _drop_parts(self, load: _Load) -> None:
         """Forget jobs never submitted."""
@@ -267,7 +267,7 @@ class ConnectorWorker:
         for p in parts:
             self._storing.subtract(p.part.keys)
             counts = self.stats.groups[p.part.group_id]
-            block_bytes = self.layout.groups[p.part.group_id].block_bytes
+            block_bytes = self.model_groups.groups[p.part.group_id].block_bytes
             stored = _refs_of(p, result.ok_block_ids)
             failed = _refs_of(p, result.failed_block_ids)
             counts.stored_blocks += len(stored)
@@ -293,12 +293,12 @@ class ConnectorWorker:
 
     def _finish(self, req_id: str, load: _Load, now: float) -> None:
         del self._loads[req_id]
-        spec = load.spec
-        failed = [tuple(load.failed.get(g, ())) for g in range(self.layout.num_groups)]
+        plan = load.plan
+        failed = [tuple(load.failed.get(g, ())) for g in range(self.model_groups.num_groups)]
         if load.outcome not in (LoadOutcome.OK, LoadOutcome.FAILED):
             # The whole load is abandoned: blocks that did arrive are not used either.
-            failed = [() for _ in range(self.layout.num_groups)]
-            for t in spec.transfers:
+            failed = [() for _ in range(self.model_groups.num_groups)]
+            for t in plan.transfers:
                 failed[t.group_id] = tuple(t.block_ids)
         self._report.finished_loads.append(
             LoadResult(req_id=req_id, outcome=load.outcome, failed_block_ids=tuple(failed))
@@ -309,15 +309,15 @@ class ConnectorWorker:
         landed = load.landed
         end = now if landed is None or load.outcome is LoadOutcome.TIMED_OUT else landed
         self.stats.add_load_seconds(end - load.started)
-        for t in spec.transfers:
+        for t in plan.transfers:
             counts = self.stats.groups[t.group_id]
             num_failed = len(failed[t.group_id])
             num_loaded = len(t.block_ids) - num_failed
             counts.loaded_blocks += num_loaded
-            counts.loaded_bytes += num_loaded * self.layout.groups[t.group_id].block_bytes
+            counts.loaded_bytes += num_loaded * self.model_groups.groups[t.group_id].block_bytes
             counts.load_failed_blocks += num_failed
-        if load.outcome is LoadOutcome.OK and spec.tier_index is not None:
-            self.store.record_hit_tokens(spec.tier_index, spec.num_tokens - spec.base_tokens)
+        if load.outcome is LoadOutcome.OK and plan.tier_index is not None:
+            self.store.record_hit_tokens(plan.tier_index, plan.num_tokens - plan.base_tokens)
 
 
 def _refs_of(p: _Part, block_ids: Mapping[int, Sequence[int]]) -> tuple[BlockRef, ...]:

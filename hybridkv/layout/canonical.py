@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from hybridkv.spec import KVLayoutSpec
+from hybridkv.groups import ModelGroups
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class BlockSpan(NamedTuple):
 class CanonicalKVCaches:
     """Block tensors (int8, ``(num_blocks, row_bytes)``) and per-group page refs."""
 
-    layout: KVLayoutSpec
+    model_groups: ModelGroups
     num_blocks: int
     tensors: tuple[torch.Tensor, ...]
     group_refs: tuple[tuple[PageRef, ...], ...]
@@ -145,7 +145,9 @@ class _LayerPlace(NamedTuple):
     """Engine kernel blocks per block (vLLM may split a block into several)."""
 
 
-def canonicalize(kv_caches: Mapping[str, torch.Tensor], layout: KVLayoutSpec) -> CanonicalKVCaches:
+def canonicalize(
+    kv_caches: Mapping[str, torch.Tensor], model_groups: ModelGroups
+) -> CanonicalKVCaches:
     """Describe registered per-layer KV tensors canonically (see module doc).
 
     A layer's tensor must have the block dim physically outermost: one block's
@@ -156,11 +158,11 @@ def canonicalize(kv_caches: Mapping[str, torch.Tensor], layout: KVLayoutSpec) ->
     """
     problems: list[str] = []
     places: list[_LayerPlace] = []
-    known = {name for group in layout.groups for name in group.layer_names}
+    known = {name for group in model_groups.groups for name in group.layer_names}
     unknown = sorted(set(kv_caches) - known)
     if unknown:
         problems.append(f"layers {unknown} are registered but in no group of the layout")
-    for group_id, group in enumerate(layout.groups):
+    for group_id, group in enumerate(model_groups.groups):
         for name, page in zip(group.layer_names, group.page_sizes_bytes, strict=True):
             if name not in kv_caches:
                 problems.append(f"layer {name!r} of group {group_id} is missing from kv_caches")
@@ -176,13 +178,14 @@ def canonicalize(kv_caches: Mapping[str, torch.Tensor], layout: KVLayoutSpec) ->
     tensors, refs = _block_tensors(places, problems)
     if problems:
         raise ValueError("cannot canonicalize KV caches: " + "; ".join(problems))
-    group_refs = tuple(tuple(refs[name] for name in g.layer_names) for g in layout.groups)
+    group_refs = tuple(tuple(refs[name] for name in g.layer_names) for g in model_groups.groups)
     formats = {p.name: p.page_format for p in places}
     page_formats = tuple(
-        "/".join(dict.fromkeys(formats[name] for name in g.layer_names)) for g in layout.groups
+        "/".join(dict.fromkeys(formats[name] for name in g.layer_names))
+        for g in model_groups.groups
     )
     canonical = CanonicalKVCaches(
-        layout=layout,
+        model_groups=model_groups,
         num_blocks=places[0].num_blocks,
         tensors=tensors,
         group_refs=group_refs,
@@ -362,9 +365,9 @@ def _canonical_problems(c: CanonicalKVCaches) -> list[str]:
     ]
     if problems or not c.tensors:
         return problems or ["tensors is empty"]
-    if [len(refs) for refs in c.group_refs] != [g.num_layers for g in c.layout.groups]:
+    if [len(refs) for refs in c.group_refs] != [g.num_layers for g in c.model_groups.groups]:
         return ["group_refs needs one PageRef per layer of every group, in layer order"]
-    for group_id, (group, refs) in enumerate(zip(c.layout.groups, c.group_refs, strict=True)):
+    for group_id, (group, refs) in enumerate(zip(c.model_groups.groups, c.group_refs, strict=True)):
         for ref, page in zip(refs, group.page_sizes_bytes, strict=True):
             ok = 0 <= ref.tensor_idx < len(c.tensors) and ref.page_bytes == page
             if not ok or ref.offset_bytes + ref.page_bytes > c.tensors[ref.tensor_idx].shape[1]:

@@ -146,6 +146,8 @@ class Tier(abc.ABC):
     """Relative cost of loading from this tier (lower is cheaper)."""
     accepts_promotions: ClassVar[bool] = False
     """Blocks read from slower tiers are copied here (best effort)."""
+    num_tiers: int = 1
+    """Tiers a read may name (``get_many_from``); a stack of tiers has several."""
 
     @abc.abstractmethod
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
@@ -169,6 +171,14 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         """Read each key into its buffer (exactly ``len(buffer)`` bytes)."""
+
+    def get_many_from(
+        self, tier_index: int, keys: Sequence[StoreKey], buffers: Sequence[Buffer]
+    ) -> list[GetStatus]:
+        """``get_many_into`` from ``tier_index`` only (``0 <= tier_index < num_tiers``)."""
+        if tier_index != 0:
+            raise ValueError(f"tier_index={tier_index}: {self.name} is one tier, index 0")
+        return self.get_many_into(keys, buffers)
 
     @abc.abstractmethod
     def delete_many(self, keys: Sequence[StoreKey]) -> int:

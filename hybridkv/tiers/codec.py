@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -47,6 +48,13 @@ def _view(data: Bytes) -> memoryview:
 
 def key_digest(key: StoreKey) -> bytes:
     return xxhash.xxh3_128_digest(key.encode())
+
+
+def key_digests(keys: Sequence[StoreKey]) -> bytes:
+    """The ``key_digest`` of each key, concatenated (one call per batch: this runs for
+    every key a disk tier is asked about)."""
+    digest = xxhash.xxh3_128_digest
+    return b"".join([digest(key.encode()) for key in keys])
 
 
 def checksum(payload: Bytes) -> int:

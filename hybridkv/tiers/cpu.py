@@ -2,7 +2,7 @@
 
 Runs in the worker process. Objects live in extents of one arena
 (``tiers.memory``; free extents indexed by exact size, so the few object
-sizes of a KV layout reuse each other's slots), never in fresh memory; which
+sizes of a model's groups reuse each other's slots), never in fresh memory; which
 extent holds what is ``tiers.cpu_index``'s. Blocks are copied in and out
 through buffers (``put_many``, ``get_many_into``) or, by the transfer engine,
 in place (``memory()``).

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hybridkv.groups import ModelGroups
 from hybridkv.layout.canonical import CanonicalKVCaches, KVLayoutKind, canonicalize
-from hybridkv.spec import KVLayoutSpec
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class AllocatedKVCaches:
 
 
 def allocate_kv_caches(
-    layout: KVLayoutSpec,
+    model_groups: ModelGroups,
     num_blocks: int,
     *,
     kind: KVLayoutKind = KVLayoutKind.BLOCK_MAJOR,
@@ -61,8 +61,8 @@ def allocate_kv_caches(
     ``shapes`` gives each layer's per-block shape and dtype (default int8, one
     page of the layer's size); a view is ``(num_blocks, *shape)``.
     """
-    page_shapes = _check_allocate_args(layout, num_blocks, kind, shapes)
-    groups = layout.groups
+    page_shapes = _check_allocate_args(model_groups, num_blocks, kind, shapes)
+    groups = model_groups.groups
     placement: dict[str, tuple[int, int]] = {}  # layer -> (offset of block 0, block stride)
     if kind is KVLayoutKind.BLOCK_MAJOR:
         row = _round_up(max(g.block_bytes for g in groups), ROW_ALIGN_BYTES)
@@ -97,13 +97,13 @@ def allocate_kv_caches(
         name: _layer_view(buffer, offset, stride, num_blocks, *page_shapes[name])
         for name, (offset, stride) in placement.items()
     }
-    canonical = canonicalize(kv_caches, layout)
+    canonical = canonicalize(kv_caches, model_groups)
     assert kind is KVLayoutKind.LAYER_MAJOR or all(canonical.block_major), canonical.describe()
     return AllocatedKVCaches(kind=kind, kv_caches=kv_caches, canonical=canonical, buffer=buffer)
 
 
 def _check_allocate_args(
-    layout: KVLayoutSpec, num_blocks: int, kind: KVLayoutKind, shapes: LayerShapes | None
+    model_groups: ModelGroups, num_blocks: int, kind: KVLayoutKind, shapes: LayerShapes | None
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     problems: list[str] = []
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
@@ -111,12 +111,12 @@ def _check_allocate_args(
     if not isinstance(kind, KVLayoutKind):
         problems.append(f"kind={kind!r} must be one of {[k.name for k in KVLayoutKind]}")
     given = dict(shapes or {})
-    known = {name for g in layout.groups for name in g.layer_names}
+    known = {name for g in model_groups.groups for name in g.layer_names}
     unknown = sorted(set(given) - known)
     if unknown:
-        problems.append(f"shapes names layers {unknown} that are in no group of the layout")
+        problems.append(f"shapes names layers {unknown} that are in no group")
     result: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for group_id, g in enumerate(layout.groups):
+    for group_id, g in enumerate(model_groups.groups):
         for name, page in zip(g.layer_names, g.page_sizes_bytes, strict=True):
             shape, dtype = given.get(name, ((page,), torch.int8))
             shape = tuple(shape)

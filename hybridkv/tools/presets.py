@@ -1,4 +1,4 @@
-"""KV layouts of real hybrid models, grouped the way vLLM groups them.
+"""The KV cache groups of real hybrid models, grouped the way vLLM groups them.
 
 Pure data for any process (the CLI's ``inspect``, tests, documentation). Each
 preset states where its config facts were checked. Conventions shared by all:
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 
 BF16_BYTES = 2
 GPU_DEFAULT_BLOCK_SIZE = 16
@@ -28,7 +28,7 @@ GPU_DEFAULT_BLOCK_SIZE = 16
 
 @dataclass(frozen=True, kw_only=True)
 class LayerKV:
-    """One layer's KV cache spec before grouping (a KVGroup without layer names)."""
+    """One layer's KV cache before grouping (a KVGroup without layer names)."""
 
     kind: GroupKind
     block_size: int
@@ -107,7 +107,7 @@ def group_layers_like_vllm(layers: Sequence[tuple[str, LayerKV]]) -> tuple[KVGro
     return tuple(groups)
 
 
-def gemma3_27b() -> KVLayoutSpec:
+def gemma3_27b() -> ModelGroups:
     """Gemma 3 27B: 62 layers, 5 sliding (window 1024) : 1 full, 16 KV heads x 128.
 
     Checked against google/gemma-3-27b-it config.json as transcribed in
@@ -130,10 +130,10 @@ def gemma3_27b() -> KVLayoutSpec:
         (f"language_model.model.layers.{i}.self_attn.attn", full if (i + 1) % 6 == 0 else sliding)
         for i in range(62)
     ]
-    return KVLayoutSpec(groups=group_layers_like_vllm(layers), model_id="google/gemma-3-27b-it")
+    return ModelGroups(groups=group_layers_like_vllm(layers), model_id="google/gemma-3-27b-it")
 
 
-def gpt_oss_20b() -> KVLayoutSpec:
+def gpt_oss_20b() -> ModelGroups:
     """gpt-oss-20b: 24 layers alternating sliding (window 128, even layers) / full.
 
     Checked against openai/gpt-oss-20b config.json as transcribed in
@@ -153,7 +153,7 @@ def gpt_oss_20b() -> KVLayoutSpec:
     )
     full = LayerKV(kind=GroupKind.FULL, block_size=block_size, page_size_bytes=page)
     layers = [(f"model.layers.{i}.attn.attn", sliding if i % 2 == 0 else full) for i in range(24)]
-    return KVLayoutSpec(groups=group_layers_like_vllm(layers), model_id="openai/gpt-oss-20b")
+    return ModelGroups(groups=group_layers_like_vllm(layers), model_id="openai/gpt-oss-20b")
 
 
 QWEN3_NEXT_STATE_BYTES = gated_delta_net_state_bytes(
@@ -162,7 +162,7 @@ QWEN3_NEXT_STATE_BYTES = gated_delta_net_state_bytes(
 """1,097,728 bytes: conv (8192 x 3) + recurrent (32 x 128 x 128) bf16 values."""
 
 
-def qwen3_next_80b_a3b() -> KVLayoutSpec:
+def qwen3_next_80b_a3b() -> ModelGroups:
     """Qwen3-Next-80B-A3B: 48 layers, 3 gated-delta-net : 1 full attention.
 
     Checked against vllm-project/vllm tests/config/base_model_arch_groundtruth.json
@@ -178,7 +178,7 @@ def qwen3_next_80b_a3b() -> KVLayoutSpec:
     16 x ceil(1,097,728 / (16 x 2048)) = 544 tokens (the CPU backend's alignment 32
     gives 544 too). With prefix caching the Mamba block size follows it ("align"
     mode). Mamba page: we use vLLM's padded page (= the attention page,
-    1,114,112 bytes) so a layout built from the engine's groups matches this one;
+    1,114,112 bytes) so groups built from the engine's matches this one;
     the state itself is 1,097,728 bytes (``QWEN3_NEXT_STATE_BYTES``). vLLM makes 3
     Mamba groups and 1 full group of 12 layers each.
     """
@@ -197,7 +197,7 @@ def qwen3_next_80b_a3b() -> KVLayoutSpec:
         else (f"model.layers.{i}.linear_attn", mamba)
         for i in range(48)
     ]
-    return KVLayoutSpec(
+    return ModelGroups(
         groups=group_layers_like_vllm(layers), model_id="Qwen/Qwen3-Next-80B-A3B-Instruct"
     )
 
@@ -336,7 +336,7 @@ def _packed_group(members: list[PackedLayer]) -> KVGroup:
     )
 
 
-def deepseek_v4_flash(*, mtp: bool = False) -> KVLayoutSpec:
+def deepseek_v4_flash(*, mtp: bool = False) -> ModelGroups:
     """DeepSeek-V4-Flash: 43 layers (+1 MTP layer), fp8_ds_mla KV, five KV cache groups.
 
     Layer facts checked against a copy of DeepSeek-V4-Flash's config.json in
@@ -346,17 +346,17 @@ def deepseek_v4_flash(*, mtp: bool = False) -> KVLayoutSpec:
     2-42, 21 layers) and 128 (HCA, odd layers 3-41, 20 layers); index_head_dim 128.
     Caches and pages from vLLM 0.32's model code (``deepseek_v4_caches``); real
     (unpadded) pages. Grouping checked by running vLLM's own ``get_kv_cache_groups``
-    on these specs (tests/spec/test_deepseek_v4_vllm.py): sliding-window caches of
+    on these specs (tests/groups/test_deepseek_v4_vllm.py): sliding-window caches of
     even / odd layers (block 64; the MTP layer joins the odd group), the compressed
     MLA + indexer caches (block 256), CSA states (block 4), HCA states (block 8).
     """
     caches = deepseek_v4_caches(DEEPSEEK_V4_FLASH_RATIOS, mtp=mtp)
-    return KVLayoutSpec(
+    return ModelGroups(
         groups=group_packed_like_vllm(caches), model_id="deepseek-ai/DeepSeek-V4-Flash"
     )
 
 
-def deepseek_v4_pro(*, mtp: bool = False) -> KVLayoutSpec:
+def deepseek_v4_pro(*, mtp: bool = False) -> ModelGroups:
     """DeepSeek-V4-Pro: 61 layers (+1 MTP layer), 30 CSA and 31 HCA, no sliding-only layer.
 
     Checked against a public copy of deepseek-ai/DeepSeek-V4-Pro's config.json with
@@ -367,12 +367,12 @@ def deepseek_v4_pro(*, mtp: bool = False) -> KVLayoutSpec:
     comes before the CSA one (layer 0 is HCA), so the last two groups swap.
     """
     caches = deepseek_v4_caches(DEEPSEEK_V4_PRO_RATIOS, mtp=mtp)
-    return KVLayoutSpec(
+    return ModelGroups(
         groups=group_packed_like_vllm(caches), model_id="deepseek-ai/DeepSeek-V4-Pro"
     )
 
 
-PRESETS: dict[str, Callable[[], KVLayoutSpec]] = {
+PRESETS: dict[str, Callable[[], ModelGroups]] = {
     "gemma3-27b": gemma3_27b,
     "gpt-oss-20b": gpt_oss_20b,
     "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
@@ -381,23 +381,23 @@ PRESETS: dict[str, Callable[[], KVLayoutSpec]] = {
 }
 
 
-def load_layout(name_or_path: str | Path) -> KVLayoutSpec:
-    """A preset by name, or a layout JSON file in ``KVLayoutSpec.to_dict`` format."""
+def load_groups(name_or_path: str | Path) -> ModelGroups:
+    """A preset by name, or a groups JSON file in ``ModelGroups.to_dict`` format."""
     if isinstance(name_or_path, str) and name_or_path in PRESETS:
         return PRESETS[name_or_path]()
     path = Path(name_or_path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"{str(name_or_path)!r} is neither a preset nor a layout JSON file; presets: "
-            f"{sorted(PRESETS)}; a layout file holds KVLayoutSpec.to_dict() as JSON"
+            f"{str(name_or_path)!r} is neither a preset nor a groups JSON file; presets: "
+            f"{sorted(PRESETS)}; a groups file holds ModelGroups.to_dict() as JSON"
         )
     try:
         data: Any = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"layout file {str(path)!r} is not readable JSON: {exc}") from None
+        raise ValueError(f"groups file {str(path)!r} is not readable JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(
-            f"layout file {str(path)!r} must hold a JSON object (KVLayoutSpec.to_dict()), "
+            f"groups file {str(path)!r} must hold a JSON object (ModelGroups.to_dict()), "
             f"got {type(data).__name__}"
         )
-    return KVLayoutSpec.from_dict(data, where=f"layout file {str(path)!r}")
+    return ModelGroups.from_dict(data, where=f"groups file {str(path)!r}")

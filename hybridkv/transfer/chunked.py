@@ -110,12 +110,12 @@ class ChunkedCopies:
     """Gathers and scatters blocks of ``caches`` through one chunk on their device."""
 
     def __init__(self, caches: CanonicalKVCaches, chunk_bytes: int = DEVICE_CHUNK_BYTES) -> None:
-        largest = max(group.block_bytes for group in caches.layout.groups)
+        largest = max(group.block_bytes for group in caches.model_groups.groups)
         self.chunk_bytes = max(chunk_bytes, largest)
         """Device bytes this copier holds: ``chunk_bytes``, or the largest block if larger."""
         self.caches = caches
         self.device = caches.device
-        groups = range(caches.layout.num_groups)
+        groups = range(caches.model_groups.num_groups)
         self._spans = [self._group_spans(g) for g in groups]
         self._span_order = [caches.spans_may_share_bytes(g) for g in groups]
         self._chunk = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
@@ -131,7 +131,7 @@ class ChunkedCopies:
         scratch_gaps: bool = False,
     ) -> int:
         """Copy block ``ids[i]`` to ``memory[offsets[i]:]``; returns the pieces moved."""
-        block_bytes = self.caches.layout.groups[group_id].block_bytes
+        block_bytes = self.caches.model_groups.groups[group_id].block_bytes
         pieces = plan_pieces(offsets, block_bytes, self.chunk_bytes, scratch_gaps=scratch_gaps)
         with self._lock:
             for piece in pieces:
@@ -159,7 +159,7 @@ class ChunkedCopies:
         Spans that may share bytes (aliased layers) are written span by span over
         all pieces, the order writes through the per-layer views take, so the last
         layer written wins as it would there; each piece is then read in once a span."""
-        block_bytes = self.caches.layout.groups[group_id].block_bytes
+        block_bytes = self.caches.model_groups.groups[group_id].block_bytes
         pieces = plan_pieces(offsets, block_bytes, self.chunk_bytes, scratch_gaps=scratch_gaps)
         spans = self._spans[group_id]
         rounds = [[span] for span in spans] if self._span_order[group_id] else [spans]

@@ -105,7 +105,7 @@ class BlockCopier:
         self.device = caches.device
         self.is_cuda = self.device.type == "cuda"
         self.chunked = self.device.type != "cpu" if chunked is None else chunked
-        num_groups = caches.layout.num_groups
+        num_groups = caches.model_groups.num_groups
         self._runs: list[_Runs] = []
         self._chunks: ChunkedCopies | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -136,7 +136,7 @@ class BlockCopier:
         return self._stream is not None
 
     def block_bytes(self, group_id: int) -> int:
-        return self.caches.layout.groups[group_id].block_bytes
+        return self.caches.model_groups.groups[group_id].block_bytes
 
     def copies_per_block(self, group_id: int) -> int:
         """Spans per block: 1 for a block-major group, its layer count otherwise."""

@@ -234,7 +234,7 @@ class TransferEngine:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         num_tiers = self.moves.num_tiers if kind is JobKind.LOAD else None
-        num_groups = self.caches.layout.num_groups
+        num_groups = self.caches.model_groups.num_groups
         parts = check_parts(parts, num_groups, self.copier.check_block_ids, num_tiers=num_tiers)
         in_place = self.in_place is not None and kind is JobKind.STORE
         offsets, total = self.placement.plan(parts)

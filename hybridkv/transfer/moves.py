@@ -18,7 +18,6 @@ import logging
 from collections.abc import Sequence
 
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier
-from hybridkv.tiers.tiered.store import TieredStore
 from hybridkv.transfer.copier import BlockCopier
 from hybridkv.transfer.in_place import Borrowed, InPlaceCopies, job_tier_indexes, merge_statuses
 from hybridkv.transfer.jobs import Job, JobKind
@@ -36,8 +35,6 @@ class JobMoves:
         in_place: InPlaceCopies | None,
     ) -> None:
         self.tier = tier
-        self.tiered = tier if isinstance(tier, TieredStore) else None
-        """The store whose tiers a load part may choose (None: one plain tier)."""
         self.copier = copier
         self.placement = placement
         self.in_place = in_place
@@ -45,7 +42,7 @@ class JobMoves:
     @property
     def num_tiers(self) -> int:
         """How many tiers a load part may choose from (``TransferPart.tier_index``)."""
-        return 1 if self.tiered is None else len(self.tiered.tiers)
+        return self.tier.num_tiers
 
     def copy_out(self, job: Job) -> list[PutStatus] | None:
         """A store's copies: into the tier's memory (statuses: the store is done), or
@@ -101,15 +98,20 @@ class JobMoves:
         """Read each key from its chosen tier (None: the cheapest tier holding it)."""
         if not keys:
             return []
-        if self.tiered is None or all(index is None for index in tier_indexes):
+        if all(index is None for index in tier_indexes):
             statuses = self.tier.get_many_into(keys, buffers)
         else:
             statuses = [GetStatus.MISS] * len(keys)
             for index in dict.fromkeys(tier_indexes):
                 picked = [j for j, i in enumerate(tier_indexes) if i == index]
-                answers = self.tiered.get_many_into(
-                    [keys[j] for j in picked], [buffers[j] for j in picked], tier_index=index
+                picked_keys, picked_buffers = (
+                    [keys[j] for j in picked],
+                    [buffers[j] for j in picked],
                 )
+                if index is None:
+                    answers = self.tier.get_many_into(picked_keys, picked_buffers)
+                else:
+                    answers = self.tier.get_many_from(index, picked_keys, picked_buffers)
                 if len(answers) != len(picked):
                     raise RuntimeError(f"tier returned {len(answers)} statuses for {len(picked)}")
                 for j, status in zip(picked, answers, strict=True):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hybridkv.cli import main
 from hybridkv.cli.inspect import compute_report
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.tools.presets import deepseek_v4_flash, gemma3_27b, qwen3_next_80b_a3b
 
 GEMMA_PAGE = 2 * 16 * 16 * 128 * 2  # K+V x block x KV heads x head_dim x bf16
@@ -62,9 +62,9 @@ def test_qwen3_next_hit_is_aligned_and_mamba_moves_one_state() -> None:
 
 
 def test_deepseek_v4_flash_numbers_match_enumeration() -> None:
-    layout = deepseek_v4_flash()
-    report = compute_report(layout, hit_tokens=4096)
-    expected_blocks = [brute_hybrid_blocks(g, 4096) for g in layout.groups]
+    model_groups = deepseek_v4_flash()
+    report = compute_report(model_groups, hit_tokens=4096)
+    expected_blocks = [brute_hybrid_blocks(g, 4096) for g in model_groups.groups]
     assert [g.hybrid_blocks for g in report.groups] == expected_blocks == [2, 2, 16, 2, 16]
     assert [g.blind_blocks for g in report.groups] == [64, 64, 16, 1024, 512]
 
@@ -72,16 +72,16 @@ def test_deepseek_v4_flash_numbers_match_enumeration() -> None:
 def test_deepseek_v4_flash_stores_vllms_tail_per_segment() -> None:
     """Per 256-token segment vLLM caches group 0's block, sliding KV blocks 2-3 of 4, CSA
     state blocks 62-63 of 64 and HCA state blocks 16-31 of 32."""
-    layout = deepseek_v4_flash()
-    report = compute_report(layout, hit_tokens=4096)
+    model_groups = deepseek_v4_flash()
+    report = compute_report(model_groups, hit_tokens=4096)
     tails = {64: 2, 4: 2, 8: 16}  # block size -> tail blocks per segment
     want = 0
-    for g in layout.groups:
+    for g in model_groups.groups:
         want += g.block_bytes * (1 if g.kind is GroupKind.FULL else tails[g.block_size])
     assert report.alignment_tokens == 256
     assert report.stored_bytes_per_segment == want
     assert report.stored_bytes == want * 4096 // 256
-    blind = sum(g.block_bytes * 4096 // g.block_size for g in layout.groups)
+    blind = sum(g.block_bytes * 4096 // g.block_size for g in model_groups.groups)
     assert report.blind_stored_bytes == blind and report.stored_ratio == want * 16 / blind
 
 
@@ -98,7 +98,7 @@ def test_gemma3_stores_only_each_segments_window(alignment: int, sliding_share: 
 
 
 @st.composite
-def layouts(draw: st.DrawFn) -> KVLayoutSpec:
+def layouts(draw: st.DrawFn) -> ModelGroups:
     groups = []
     for i in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(list(GroupKind)))
@@ -117,28 +117,28 @@ def layouts(draw: st.DrawFn) -> KVLayoutSpec:
                 else None,
             )
         )
-    return KVLayoutSpec(groups=tuple(groups))
+    return ModelGroups(groups=tuple(groups))
 
 
 @given(layouts(), st.integers(1, 400))
 @settings(max_examples=200, deadline=None)
-def test_report_matches_brute_force(layout: KVLayoutSpec, hit_tokens: int) -> None:
-    if hit_tokens < layout.scheduler_block_size:
+def test_report_matches_brute_force(model_groups: ModelGroups, hit_tokens: int) -> None:
+    if hit_tokens < model_groups.scheduler_block_size:
         with pytest.raises(ValueError, match="must be an int >= the alignment"):
-            compute_report(layout, hit_tokens=hit_tokens)
+            compute_report(model_groups, hit_tokens=hit_tokens)
         return
     if any(
-        g.kind is GroupKind.CHUNKED_LOCAL and g.block_size != layout.scheduler_block_size
-        for g in layout.groups
+        g.kind is GroupKind.CHUNKED_LOCAL and g.block_size != model_groups.scheduler_block_size
+        for g in model_groups.groups
     ):  # as in vLLM, chunked local attention needs hits aligned to its own block size
         with pytest.raises(ValueError, match="chunked local attention needs"):
-            compute_report(layout, hit_tokens=hit_tokens)
+            compute_report(model_groups, hit_tokens=hit_tokens)
         return
-    report = compute_report(layout, hit_tokens=hit_tokens)
-    n = max(t for t in range(hit_tokens + 1) if t % layout.scheduler_block_size == 0)
+    report = compute_report(model_groups, hit_tokens=hit_tokens)
+    n = max(t for t in range(hit_tokens + 1) if t % model_groups.scheduler_block_size == 0)
     assert report.hit_tokens == n
     hybrid = blind = 0
-    for group, load in zip(layout.groups, report.groups, strict=True):
+    for group, load in zip(model_groups.groups, report.groups, strict=True):
         blocks = brute_hybrid_blocks(group, n)
         assert load.hybrid_blocks == blocks
         assert load.hybrid_bytes == blocks * group.page_size_bytes * group.num_layers
@@ -184,7 +184,7 @@ def test_cli_hits_at_a_coarser_alignment(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_cli_reads_a_layout_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "layout.json"
+    path = tmp_path / "groups.json"
     path.write_text(json.dumps(gemma3_27b().to_dict()))
     assert main(["inspect", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -195,7 +195,7 @@ def test_cli_reads_a_layout_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["inspect", "no-such-model"], "neither a preset nor a layout JSON file"),
+        (["inspect", "no-such-model"], "neither a preset nor a groups JSON file"),
         (
             ["inspect", "deepseek-v4-flash", "--alignment-tokens", "6"],
             "alignment_tokens=6 is not a multiple of the block_size",

@@ -16,10 +16,10 @@ from hybridkv.connector.config import (
     ConnectorConfig,
 )
 from hybridkv.connector.setup import EngineFacts, hit_alignment, lower_switch_interval
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.keys import HashAlgo
 from hybridkv.paths import default_cache_dir
 from hybridkv.schema import ConfigError
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tiers.cpu import CpuConfig
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.selection import Selection
@@ -181,7 +181,7 @@ def test_the_switch_interval_is_only_ever_lowered(switch_interval: float) -> Non
 
 
 def _facts(*groups: KVGroup) -> EngineFacts:
-    return EngineFacts(layout=KVLayoutSpec(groups=groups), alignment_tokens=32)
+    return EngineFacts(model_groups=ModelGroups(groups=groups), alignment_tokens=32)
 
 
 def test_a_coarser_hit_alignment_is_taken_for_attention_groups() -> None:

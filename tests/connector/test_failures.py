@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hybridkv.connector.metadata import LoadOutcome
 from hybridkv.connector.setup import build_store
-from hybridkv.spec import GroupKind
+from hybridkv.groups import GroupKind
 from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
@@ -28,7 +28,7 @@ from tests.support.connector import (
     store_prompt,
     wait_loaded,
 )
-from tests.support.sim import SimEngine, make_layout
+from tests.support.sim import SimEngine, make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 
@@ -40,7 +40,7 @@ def gated_engine(
     config = make_config(tmp_path)
     gated = GatedTier(DiskTier(disk_config(config)))
     store = TieredStore([gated])
-    engine = make_engine(make_layout(kinds), config, store=store, load_timeout_s=load_timeout_s)
+    engine = make_engine(make_groups(kinds), config, store=store, load_timeout_s=load_timeout_s)
     return engine, gated
 
 
@@ -58,7 +58,7 @@ def load_rows(engine: SimEngine, req_id: str) -> dict[tuple[int, int], bytes]:
 def test_load_timeout_reports_every_block_and_never_writes_late_bytes(tmp_path: Path) -> None:
     kinds = (SW, FULL)
     tokens = prompt(37)
-    store_prompt(make_layout(kinds), tmp_path, tokens, chunk=12)
+    store_prompt(make_groups(kinds), tmp_path, tokens, chunk=12)
     engine, gated = gated_engine(tmp_path, kinds, load_timeout_s=0.2)
     assert engine.add("t", tokens) == 36
     engine.step({})  # the load is submitted and blocks in the tier
@@ -90,7 +90,7 @@ def load_rows_now(
 def test_finished_request_holds_its_blocks_until_its_load_is_cancelled(tmp_path: Path) -> None:
     kinds = (MAMBA, FULL)
     tokens = prompt(37)
-    store_prompt(make_layout(kinds), tmp_path, tokens, chunk=12)
+    store_prompt(make_groups(kinds), tmp_path, tokens, chunk=12)
     engine, gated = gated_engine(tmp_path, kinds)
     assert engine.add("c", tokens) == 36
     engine.step({})
@@ -110,8 +110,8 @@ def test_finished_request_holds_its_blocks_until_its_load_is_cancelled(tmp_path:
 
 
 def test_preempted_request_resumes_from_its_own_stored_blocks(tmp_path: Path) -> None:
-    layout = make_layout((SW, FULL, MAMBA))
-    engine = make_engine(layout, make_config(tmp_path))
+    model_groups = make_groups((SW, FULL, MAMBA))
+    engine = make_engine(model_groups, make_config(tmp_path))
     tokens = prompt(40)
     assert engine.add("p", tokens) == 0
     engine.step({"p": 12})
@@ -131,12 +131,12 @@ def test_preempted_request_resumes_from_its_own_stored_blocks(tmp_path: Path) ->
 
 
 def test_other_process_lookup_sees_reported_cpu_keys_and_drops_bad_ones(tmp_path: Path) -> None:
-    layout = make_layout((MAMBA, FULL))
+    model_groups = make_groups((MAMBA, FULL))
     config = make_config(tmp_path, tiers=[{"kind": "cpu", "capacity_bytes": "4MiB"}])
-    lookup, opened = make_remote_lookup(config, layout)
+    lookup, opened = make_remote_lookup(config, model_groups)
     assert opened == [] and not lookup.complete
     store = build_store(config.tier_configs, config)
-    engine = make_engine(layout, config, store=store, lookup=lookup)
+    engine = make_engine(model_groups, config, store=store, lookup=lookup)
     tokens = prompt(37)
     engine.add("a", tokens)
     run_to_end(engine, "a", chunk=12)
@@ -144,7 +144,7 @@ def test_other_process_lookup_sees_reported_cpu_keys_and_drops_bad_ones(tmp_path
     engine.finish("a")
     assert len(lookup.record) > 0  # learnt from the worker's reports only
     # The worker's private tier loses blocks (an eviction the scheduler cannot see).
-    lost = block_keys(layout, tokens, 1, [3])
+    lost = block_keys(model_groups, tokens, 1, [3])
     assert store.delete_many(lost) == 1
     assert engine.add("b", tokens) == 36  # the stale record still offers them
     req = wait_loaded(engine, "b")
@@ -167,11 +167,11 @@ def assert_dropped_then_sent_again(
 ) -> None:
     """The first step's 4 blocks find no room and are reported dropped; once the room is
     back, a request computing the same blocks stores them."""
-    layout = engine.layout
+    model_groups = engine.model_groups
     engine.add("a", tokens)
     engine.step({"a": 16})
     dropped = engine.reported("dropped")
-    assert dropped == block_refs(layout, tokens, 0, range(4))
+    assert dropped == block_refs(model_groups, tokens, 0, range(4))
     assert engine.worker.stats.groups[0].store_dropped_blocks == 4
     free_the_room()
     assert engine.finish("a") is False
@@ -184,9 +184,9 @@ def assert_dropped_then_sent_again(
 
 def test_store_backpressure_drops_blocks_and_sends_them_again(tmp_path: Path) -> None:
     """Staging full (a first tier without memory of its own: stores go through staging)."""
-    layout = make_layout((FULL,))
+    model_groups = make_groups((FULL,))
     config = make_config(tmp_path)
-    engine = make_engine(layout, config, store=TieredStore([DiskTier(disk_config(config))]))
+    engine = make_engine(model_groups, config, store=TieredStore([DiskTier(disk_config(config))]))
     arena = engine.worker.engine.arena  # type: ignore[union-attr]
     held = arena.allocate(arena.total_bytes)  # something else fills the staging arena
     assert held is not None
@@ -196,10 +196,10 @@ def test_store_backpressure_drops_blocks_and_sends_them_again(tmp_path: Path) ->
 def test_a_full_cpu_tier_drops_blocks_and_they_are_sent_again(tmp_path: Path) -> None:
     """Stores go straight into the CPU tier's memory; while every byte of it is reserved
     by someone else, a store has no room there and its blocks are reported dropped."""
-    layout = make_layout((FULL,))
-    block_bytes = layout.groups[0].block_bytes
+    model_groups = make_groups((FULL,))
+    block_bytes = model_groups.groups[0].block_bytes
     cpu = CpuTier(CpuConfig(capacity_bytes=4 * block_bytes, pin_memory=False))
-    engine = make_engine(layout, make_config(tmp_path), store=TieredStore([cpu]))
+    engine = make_engine(model_groups, make_config(tmp_path), store=TieredStore([cpu]))
     memory = cpu.memory()
     assert memory is not None
     others = [StoreKey(f"other/{i}") for i in range(4)]
@@ -210,10 +210,10 @@ def test_a_full_cpu_tier_drops_blocks_and_they_are_sent_again(tmp_path: Path) ->
 
 
 def test_blocks_gone_from_every_tier_are_sent_again(tmp_path: Path) -> None:
-    layout = make_layout((FULL,))
+    model_groups = make_groups((FULL,))
     config = make_config(tmp_path)
     tier = DiskTier(disk_config(config))
-    engine = make_engine(layout, config, store=TieredStore([tier]))
+    engine = make_engine(model_groups, config, store=TieredStore([tier]))
     tokens = prompt(33)
     engine.add("a", tokens)
     run_to_end(engine, "a", chunk=16)
@@ -221,9 +221,9 @@ def test_blocks_gone_from_every_tier_are_sent_again(tmp_path: Path) -> None:
     assert engine.finish("a") is False
     stored = engine.reported("stored")
     num_blocks = len(stored)
-    assert num_blocks and set(stored) == set(block_refs(layout, tokens, 0, range(num_blocks)))
+    assert num_blocks and set(stored) == set(block_refs(model_groups, tokens, 0, range(num_blocks)))
     # Gone from outside (a pool restarted empty, files removed): nothing reports it.
-    keys = block_keys(layout, tokens, 0, range(num_blocks))
+    keys = block_keys(model_groups, tokens, 0, range(num_blocks))
     assert tier.delete_many(keys) == num_blocks
     assert engine.add("b", tokens) == 0  # the lookup finds none of them
     run_to_end(engine, "b", chunk=16)
@@ -238,10 +238,10 @@ def test_blocks_gone_from_every_tier_are_sent_again(tmp_path: Path) -> None:
 def test_every_group_is_sent_again_when_the_first_misses(tmp_path: Path) -> None:
     # The lookup stops at the full group's first miss and never asks about the sliding
     # window's blocks; they were lost too and must be stored again with the full ones.
-    layout = make_layout((FULL, SW))
+    model_groups = make_groups((FULL, SW))
     config = make_config(tmp_path)
     tier = DiskTier(disk_config(config))
-    engine = make_engine(layout, config, store=TieredStore([tier]))
+    engine = make_engine(model_groups, config, store=TieredStore([tier]))
     tokens = prompt(33)
     engine.add("a", tokens)
     run_to_end(engine, "a", chunk=16)
@@ -250,7 +250,7 @@ def test_every_group_is_sent_again_when_the_first_misses(tmp_path: Path) -> None
     stored = engine.reported("stored")
     assert {ref.group_id for ref in stored} == {0, 1}, stored
     for group_id in (0, 1):
-        tier.delete_many(block_keys(layout, tokens, group_id, range(8)))
+        tier.delete_many(block_keys(model_groups, tokens, group_id, range(8)))
     assert engine.add("b", tokens) == 0
     run_to_end(engine, "b", chunk=16)
     engine.settle()
@@ -268,7 +268,7 @@ def test_load_seconds_end_when_the_last_block_lands_not_at_the_next_poll(
     to its landing, not to the poll that sees it."""
     kinds = (SW, FULL)
     tokens = prompt(37)
-    store_prompt(make_layout(kinds), tmp_path, tokens, chunk=12)
+    store_prompt(make_groups(kinds), tmp_path, tokens, chunk=12)
     engine, gated = gated_engine(tmp_path, kinds)
     assert engine.add("s", tokens) == 36
     engine.step({})  # the load is submitted and waits at the gate

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.spec import GroupKind
+from hybridkv.groups import GroupKind
 from hybridkv.tiers.base import PutStatus, StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.tiered.store import TieredStore
 from tests.support.connector import make_config, make_engine, prompt, wait_loaded
-from tests.support.sim import make_layout
+from tests.support.sim import make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 
@@ -43,10 +43,10 @@ class GatedCpuTier(CpuTier):
 def stored_blocks_match(tmp_path: Path, kinds: tuple[GroupKind, ...], *, fence: bool) -> bool:
     """Store a's blocks asynchronously, finish a, run b on a's freed blocks, open the gate
     after a moment; then load a's prompt and compare every block with a cold run."""
-    layout = make_layout(kinds)
+    model_groups = make_groups(kinds)
     tier = GatedCpuTier()
     engine = make_engine(
-        layout,
+        model_groups,
         make_config(tmp_path),
         store=TieredStore([tier]),
         transfer={"asynchronous": True},
@@ -76,7 +76,7 @@ def stored_blocks_match(tmp_path: Path, kinds: tuple[GroupKind, ...], *, fence: 
     assert req.outcomes[-1].ok
     matches = all(
         engine.block_bytes(g, req.block_ids[g][i]) == engine.expected_block(a, g, i)
-        for g, group in enumerate(layout.groups)
+        for g, group in enumerate(model_groups.groups)
         for i in range(40 // group.block_size)
         if group.kind is GroupKind.FULL
     )

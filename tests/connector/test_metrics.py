@@ -13,10 +13,10 @@ from hybridkv.connector.metrics import (
     worker_samples,
 )
 from hybridkv.connector.stats import GroupCounts, SchedulerStats, WorkerStats
+from hybridkv.groups import GroupKind
 from hybridkv.metric_fields import MetricType, declared
-from hybridkv.spec import GroupKind
 from hybridkv.tiers.base import TierStats
-from tests.support.sim import make_layout
+from tests.support.sim import make_groups
 
 
 def test_every_metric_is_declared_once() -> None:
@@ -38,16 +38,16 @@ def _check(samples: list[Sample]) -> set[str]:
 
 
 def test_samples_carry_each_declared_value_with_its_labels() -> None:
-    layout = make_layout([GroupKind.FULL, GroupKind.SLIDING_WINDOW])
+    model_groups = make_groups([GroupKind.FULL, GroupKind.SLIDING_WINDOW])
     scheduler = SchedulerStats(lookups=3, loads_planned=2)
-    worker = WorkerStats.for_groups(layout.num_groups)
+    worker = WorkerStats.for_groups(model_groups.num_groups)
     worker.loads[LoadOutcome.OK] = 5
     worker.groups[1].stored_bytes = 4096
     worker.add_load_seconds(0.5)
     tiers = {"cpu": TierStats(gets=7), "disk": TierStats(pending_loads=2)}
 
     on_scheduler = list(scheduler_samples(scheduler, {"requests": 1}))
-    on_worker = list(worker_samples(worker, layout, tiers))
+    on_worker = list(worker_samples(worker, model_groups, tiers))
     names = _check(on_scheduler) | _check(on_worker)
     # Every metric is sampled, but the histogram: its exporter takes the observations.
     assert names == {m.name for m in CATALOG if m.type is not MetricType.HISTOGRAM}

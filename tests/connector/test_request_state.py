@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridkv.spec import GroupKind
+from hybridkv.groups import GroupKind
 from tests.support.connector import close_engine, make_config, make_engine, prompt, run_to_end
-from tests.support.sim import make_layout
+from tests.support.sim import make_groups
 
 ROUNDS, REQUESTS_PER_ROUND = 3, 6
 
 
 def test_state_sizes_return_to_zero_after_stores_loads_and_aborts(tmp_path: Path) -> None:
-    engine = make_engine(make_layout((GroupKind.MAMBA, GroupKind.FULL)), make_config(tmp_path))
+    engine = make_engine(make_groups((GroupKind.MAMBA, GroupKind.FULL)), make_config(tmp_path))
     sizes = []
     for round_id in range(ROUNDS):
         for i in range(REQUESTS_PER_ROUND):

@@ -13,7 +13,7 @@ import pytest
 
 from hybridkv.connector.metadata import LoadOutcome
 from hybridkv.connector.steps import StepInput
-from hybridkv.spec import GroupKind
+from hybridkv.groups import GroupKind
 from tests.support.connector import (
     assert_kv_matches_cold,
     block_keys,
@@ -28,10 +28,10 @@ from tests.support.connector import (
     store_prompt,
     wait_loaded,
 )
-from tests.support.sim import make_layout
+from tests.support.sim import make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
-LAYOUTS = {
+KIND_SETS = {
     "gemma-like": (SW, FULL),
     "qwen3-next-like": (MAMBA, FULL),
     "full-only": (FULL,),
@@ -40,16 +40,16 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("lookup_mode", ["same-process", "other-process"])
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(KIND_SETS))
 def test_fresh_pair_loads_byte_identical(tmp_path: Path, name: str, lookup_mode: str) -> None:
-    layout = make_layout(LAYOUTS[name])
+    model_groups = make_groups(KIND_SETS[name])
     tokens = prompt(37)
-    store_prompt(layout, tmp_path, tokens, chunk=12)
+    store_prompt(model_groups, tmp_path, tokens, chunk=12)
     config = make_config(tmp_path)
     lookup, opened = (
-        make_remote_lookup(config, layout) if lookup_mode == "other-process" else (None, [])
+        make_remote_lookup(config, model_groups) if lookup_mode == "other-process" else (None, [])
     )
-    second = make_engine(layout, config, lookup=lookup)
+    second = make_engine(model_groups, config, lookup=lookup)
     # 36 = the whole prompt but its last token, aligned; Mamba has states at 12, 24, 36.
     assert second.add("warm", tokens) == 36
     req = wait_loaded(second, "warm")
@@ -68,7 +68,7 @@ def test_fresh_pair_loads_byte_identical(tmp_path: Path, name: str, lookup_mode:
             for t in ld.transfers
             if t.group_id == g
         )
-        for g in range(layout.num_groups)
+        for g in range(model_groups.num_groups)
     ]
     assert [g.loaded_blocks for g in stats.groups] == planned and sum(planned) > 0
     close_engine(second)
@@ -83,11 +83,11 @@ def test_fresh_pair_loads_byte_identical(tmp_path: Path, name: str, lookup_mode:
 def test_partial_hit_stops_where_the_prompts_diverge(
     tmp_path: Path, name: str, expected_hit: int
 ) -> None:
-    layout = make_layout(LAYOUTS[name])
+    model_groups = make_groups(KIND_SETS[name])
     stored = prompt(40)
-    store_prompt(layout, tmp_path, stored, chunk=12)  # Mamba states at 12, 24, 36
+    store_prompt(model_groups, tmp_path, stored, chunk=12)  # Mamba states at 12, 24, 36
     other = stored[:22] + prompt(30, seed=1)  # shares 22 tokens = 5 full blocks of 4
-    engine = make_engine(layout, make_config(tmp_path))
+    engine = make_engine(model_groups, make_config(tmp_path))
     assert engine.add("b", other) == expected_hit
     req = wait_loaded(engine, "b")
     assert req.outcomes[-1].ok
@@ -98,10 +98,10 @@ def test_partial_hit_stops_where_the_prompts_diverge(
 
 
 def test_sliding_window_loads_only_the_window(tmp_path: Path) -> None:
-    layout = make_layout((SW, FULL), window=8)
+    model_groups = make_groups((SW, FULL), window=8)
     tokens = prompt(37)
-    store_prompt(layout, tmp_path, tokens, chunk=12)
-    engine = make_engine(layout, make_config(tmp_path))
+    store_prompt(model_groups, tmp_path, tokens, chunk=12)
+    engine = make_engine(model_groups, make_config(tmp_path))
     assert engine.add("w", tokens) == 36
     engine.step({})
     assert engine.last_meta is not None
@@ -122,9 +122,9 @@ def test_sliding_window_block_is_stored_before_the_engine_reuses_it(tmp_path: Pa
     # Chunks of three blocks and a window of one block (as the tiny Gemma 3 prefilling
     # 150 tokens with a 32-token window): the first blocks a step computes are out of the
     # window at the next step, freed and handed out again before its forward pass.
-    layout = make_layout((SW, FULL), window=4)
+    model_groups = make_groups((SW, FULL), window=4)
     config = make_config(tmp_path)
-    first = make_engine(layout, config, reuse_freed_first=True)
+    first = make_engine(model_groups, config, reuse_freed_first=True)
     a, b = prompt(40), prompt(40, seed=7)
     first.add("a", a)
     first.add("b", b)
@@ -138,7 +138,7 @@ def test_sliding_window_block_is_stored_before_the_engine_reuses_it(tmp_path: Pa
     assert num_reused >= 4, "the scenario must overwrite a's window blocks while a runs"
     first.settle()
     close_engine(first)
-    second = make_engine(layout, config)
+    second = make_engine(model_groups, config)
     # A hit at h loads the window block h/4 - 1: every block of a, early-freed ones too.
     for hit in range(4, 40, 4):
         req_id = f"a{hit}"
@@ -153,10 +153,10 @@ def test_sliding_window_block_is_stored_before_the_engine_reuses_it(tmp_path: Pa
 
 
 def test_mamba_loads_only_the_last_state(tmp_path: Path) -> None:
-    layout = make_layout((MAMBA, FULL))
+    model_groups = make_groups((MAMBA, FULL))
     tokens = prompt(37)
-    store_prompt(layout, tmp_path, tokens, chunk=12)
-    engine = make_engine(layout, make_config(tmp_path))
+    store_prompt(model_groups, tmp_path, tokens, chunk=12)
+    engine = make_engine(model_groups, make_config(tmp_path))
     assert engine.add("m", tokens) == 36
     engine.step({})
     assert engine.last_meta is not None
@@ -181,14 +181,14 @@ def test_failed_load_reports_exact_block_ids_and_resumes_where_vllm_can(
     """One full-attention group keeps the prefix before its first failed block (vLLM's
     block-level errors); hybrid layouts start over and a second lookup finds the longest
     hit that no longer needs the lost blocks."""
-    layout = make_layout(LAYOUTS[name])
+    model_groups = make_groups(KIND_SETS[name])
     tokens = prompt(37)
-    store_prompt(layout, tmp_path, tokens, chunk=12)
+    store_prompt(model_groups, tmp_path, tokens, chunk=12)
     config = make_config(tmp_path)
-    engine = make_engine(layout, config)
+    engine = make_engine(model_groups, config)
     assert engine.add("f", tokens) == 36
-    full = next(g for g, group in enumerate(layout.groups) if group.kind is FULL)
-    assert remove_from_disk(config, block_keys(layout, tokens, full, [5, 7])) == 2
+    full = next(g for g, group in enumerate(model_groups.groups) if group.kind is FULL)
+    assert remove_from_disk(config, block_keys(model_groups, tokens, full, [5, 7])) == 2
     req = engine.requests["f"]
     lost = {req.block_ids[full][5], req.block_ids[full][7]}
     wait_loaded(engine, "f")
@@ -196,7 +196,7 @@ def test_failed_load_reports_exact_block_ids_and_resumes_where_vllm_can(
     assert first.outcome is LoadOutcome.FAILED and req.outcomes[0] == first
     assert set(first.failed_block_ids[full]) == lost
     assert not any(ids for g, ids in enumerate(first.failed_block_ids) if g != full)
-    assert set(engine.reported("missing")) == set(block_refs(layout, tokens, full, [5, 7]))
+    assert set(engine.reported("missing")) == set(block_refs(model_groups, tokens, full, [5, 7]))
     if retry_hit is None:
         assert req.num_computed == 20  # the prefix before block 5
     else:
@@ -211,10 +211,10 @@ def test_failed_load_reports_exact_block_ids_and_resumes_where_vllm_can(
 
 
 def test_load_after_a_local_hit_moves_only_blocks_the_engine_lacks(tmp_path: Path) -> None:
-    layout = make_layout((SW, FULL, MAMBA), window=8)
+    model_groups = make_groups((SW, FULL, MAMBA), window=8)
     tokens = prompt(37)
-    store_prompt(layout, tmp_path, tokens, chunk=12)
-    engine = make_engine(layout, make_config(tmp_path))
+    store_prompt(model_groups, tmp_path, tokens, chunk=12)
+    engine = make_engine(model_groups, make_config(tmp_path))
     scheduler = engine.scheduler
     scheduler.add_request("h")
     # The engine's own prefix cache already holds 12 tokens.
@@ -232,7 +232,7 @@ def test_load_after_a_local_hit_moves_only_blocks_the_engine_lacks(tmp_path: Pat
     assert by_group[1].block_indices == tuple(range(3, 9))
     assert by_group[1].block_ids == (21, 22, 23, 24, 25, 26)
     assert by_group[2].block_indices == (8,) and by_group[2].block_ids == (51,)
-    refs = block_refs(layout, tokens, 1, range(3, 9))
+    refs = block_refs(model_groups, tokens, 1, range(3, 9))
     assert by_group[1].block_hashes == tuple(ref.block_hash for ref in refs)
     # A full-attention block the engine did not allocate makes the load impossible.
     scheduler.add_request("x")

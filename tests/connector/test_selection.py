@@ -12,15 +12,15 @@ from hybridkv.connector.metadata import (
     BlockTransfer,
     ConnectorMetadata,
     LoadOutcome,
+    LoadPlan,
     LoadResult,
-    LoadSpec,
     RankReport,
-    StoreSpec,
+    StorePlan,
     WorkerReport,
 )
 from hybridkv.connector.setup import build_store
+from hybridkv.groups import GroupKind
 from hybridkv.keys import BlockHash
-from hybridkv.spec import GroupKind
 from tests.support.connector import (
     assert_kv_matches_cold,
     block_keys,
@@ -31,7 +31,7 @@ from tests.support.connector import (
     run_to_end,
     wait_loaded,
 )
-from tests.support.sim import make_layout
+from tests.support.sim import make_groups
 
 
 @pytest.mark.parametrize(
@@ -40,10 +40,10 @@ from tests.support.sim import make_layout
 def test_selection_picks_blocks_or_one_tier(
     tmp_path: Path, selection: str, hit: int, tier_index: int | None
 ) -> None:
-    layout = make_layout((GroupKind.SLIDING_WINDOW, GroupKind.FULL))
+    model_groups = make_groups((GroupKind.SLIDING_WINDOW, GroupKind.FULL))
     config = make_config(tmp_path, selection=selection)
     store = build_store(config.tier_configs, config)
-    engine = make_engine(layout, config, store=store)
+    engine = make_engine(model_groups, config, store=store)
     tokens = prompt(37)
     engine.add("a", tokens)
     run_to_end(engine, "a", chunk=12)
@@ -52,7 +52,7 @@ def test_selection_picks_blocks_or_one_tier(
     engine.finish("a")
     cpu, disk = store.tiers
     # The CPU tier loses full-attention block 3: it now holds 12 tokens, the disk 36.
-    assert cpu.delete_many(block_keys(layout, tokens, 1, [3])) == 1
+    assert cpu.delete_many(block_keys(model_groups, tokens, 1, [3])) == 1
     disk_gets = disk.stats().gets
     # whole_request: CPU scores 12 tokens / weight 1 > disk's 36 / 4 = 9.
     assert engine.add("b", tokens) == hit
@@ -85,8 +85,8 @@ def test_metadata_and_reports_pickle() -> None:
         group_id=1, block_hashes=hashes, block_ids=(5, 9), block_indices=(0, 1)
     )
     meta = ConnectorMetadata(
-        loads=(LoadSpec(req_id="a", num_tokens=8, base_tokens=0, transfers=(transfer,)),),
-        stores=(StoreSpec(req_id="b", transfers=(transfer,)),),
+        loads=(LoadPlan(req_id="a", num_tokens=8, base_tokens=0, transfers=(transfer,)),),
+        stores=(StorePlan(req_id="b", transfers=(transfer,)),),
         cancelled_req_ids=frozenset({"c"}),
     )
     assert pickle.loads(pickle.dumps(meta)) == meta

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from hybridkv.connector.setup import EngineFacts, build_scheduler, build_worker
-from hybridkv.spec import GroupKind
+from hybridkv.groups import GroupKind
 from hybridkv.tiers.base import PutStatus
 from tests.support.connector import block_keys, make_config, prompt
-from tests.support.sim import make_layout
+from tests.support.sim import make_groups
 
-LAYOUT = make_layout((GroupKind.FULL,))
-FACTS = EngineFacts(layout=LAYOUT, alignment_tokens=LAYOUT.scheduler_block_size)
+GROUPS = make_groups((GroupKind.FULL,))
+FACTS = EngineFacts(model_groups=GROUPS, alignment_tokens=GROUPS.scheduler_block_size)
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +36,8 @@ def test_a_scheduler_handed_the_worker_store_finds_its_cpu_blocks(
     config = make_config(tmp_path)
     worker = build_worker(config, FACTS, tp_rank=0)
     tokens = prompt(17)
-    keys = block_keys(LAYOUT, tokens, 0, range(4))
-    block_bytes = LAYOUT.groups[0].block_bytes
+    keys = block_keys(GROUPS, tokens, 0, range(4))
+    block_bytes = GROUPS.groups[0].block_bytes
     cpu = worker.store.tiers[0]
     assert cpu.put_many(keys, [np.zeros(block_bytes, np.uint8)] * 4) == [PutStatus.OK] * 4
     scheduler, opened = build_scheduler(
@@ -53,7 +53,9 @@ def test_a_scheduler_handed_the_worker_store_finds_its_cpu_blocks(
 
 def test_a_worker_store_is_refused_with_several_ranks(tmp_path: Path) -> None:
     config = make_config(tmp_path)
-    facts = EngineFacts(layout=LAYOUT, alignment_tokens=LAYOUT.scheduler_block_size, tp_size=2)
+    facts = EngineFacts(
+        model_groups=GROUPS, alignment_tokens=GROUPS.scheduler_block_size, tp_size=2
+    )
     worker = build_worker(config, facts, tp_rank=1)
     with pytest.raises(ValueError, match="worker_store with tensor_parallel_size=2"):
         build_scheduler(config, facts, worker_store=worker.store)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from hybridkv.connector.steps import ScheduledRequest, StepInput
-from hybridkv.spec import GroupKind
-from tests.support.sim import make_layout
+from hybridkv.groups import GroupKind
+from tests.support.sim import make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 
@@ -23,7 +23,7 @@ def scheduled(
 
 
 def test_new_blocks_of_running_requests_are_written() -> None:
-    layout = make_layout((FULL, SW), block_size=4)
+    model_groups = make_groups((FULL, SW), block_size=4)
     step = StepInput(
         scheduled=(
             scheduled("a", 20, [[7], [8]], whole=False),
@@ -31,17 +31,19 @@ def test_new_blocks_of_running_requests_are_written() -> None:
             scheduled("c", 0, [[0, 3], [9, 0]], whole=False),
         )
     )
-    assert step.written_block_ids(layout) == (3, 7, 8, 9), "never the null block 0"
+    assert step.written_block_ids(model_groups) == (3, 7, 8, 9), "never the null block 0"
 
 
 def test_prefix_cache_hits_of_a_new_request_are_only_read() -> None:
-    layout = make_layout((FULL, SW, MAMBA), block_size=4)
+    model_groups = make_groups((FULL, SW, MAMBA), block_size=4)
     # 10 tokens computed (a prefix-cache hit): blocks 0 and 1 are whole and only read;
     # block 2 holds tokens 8..11, half computed, and is written. The Mamba group's
     # state block at that boundary (index 1) is written too.
     table = [[11, 12, 13, 14], [0, 22, 23, 24], [0, 32, 33, 0]]
     step = StepInput(scheduled=(scheduled("n", 10, table, whole=True),))
-    assert step.written_block_ids(layout) == (13, 14, 23, 24, 32, 33)
+    assert step.written_block_ids(model_groups) == (13, 14, 23, 24, 32, 33)
     # With nothing computed every block of the table is written.
     fresh = StepInput(scheduled=(scheduled("f", 0, table, whole=True),))
-    assert fresh.written_block_ids(layout) == tuple(sorted({b for g in table for b in g} - {0}))
+    assert fresh.written_block_ids(model_groups) == tuple(
+        sorted({b for g in table for b in g} - {0})
+    )

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from hybridkv.spec import GroupKind, KVGroup
-from hybridkv.spec.kinds import rules_for
+from hybridkv.groups import GroupKind, KVGroup
+from hybridkv.groups.kinds import rules_for
 from hybridkv.tools.models import TinyModelKind
 from tests.e2e.expect import (
     EXTERNAL_HITS,

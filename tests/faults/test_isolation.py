@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from hybridkv.connector.config import ConnectorConfig
+from hybridkv.groups import GroupKind, ModelGroups
 from hybridkv.integrations.vllm.facts import default_model_id, model_namespace
-from hybridkv.spec import GroupKind, KVLayoutSpec
 from hybridkv.tiers.base import Tier
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.disk.tier import DiskTier
@@ -36,7 +36,7 @@ from tests.support.connector import (
     run_to_end,
 )
 from tests.support.servers import ValkeyServer
-from tests.support.sim import make_layout
+from tests.support.sim import make_groups
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 KINDS = (GroupKind.FULL, GroupKind.SLIDING_WINDOW)
@@ -65,8 +65,8 @@ def namespace(identity: dict[str, Any]) -> str:
     return model_namespace(default_model_id(vllm_config), vllm_config, kv_cache_config)
 
 
-def layout_of(identity: dict[str, Any]) -> KVLayoutSpec:
-    return make_layout(KINDS, block_size=identity["block_size"], model_id=namespace(identity))
+def layout_of(identity: dict[str, Any]) -> ModelGroups:
+    return make_groups(KINDS, block_size=identity["block_size"], model_id=namespace(identity))
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +89,10 @@ def config(tmp_path: Path, valkey: LocalPool) -> ConnectorConfig:
     )
 
 
-def hit_tokens(layout: KVLayoutSpec, config: ConnectorConfig, *, cache_salt: str | None) -> int:
-    engine = make_engine(layout, config)
+def hit_tokens(
+    model_groups: ModelGroups, config: ConnectorConfig, *, cache_salt: str | None
+) -> int:
+    engine = make_engine(model_groups, config)
     try:
         return engine.add("ask", TOKENS, cache_salt=cache_salt)
     finally:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.layout import KVLayoutKind
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.config import DiskConfig
@@ -32,7 +32,7 @@ MIB = 1 << 20
 CUDA = torch.device("cuda")
 
 
-def model(page_bytes: int, block_size: int, second: GroupKind, num_layers: int = 4) -> KVLayoutSpec:
+def model(page_bytes: int, block_size: int, second: GroupKind, num_layers: int = 4) -> ModelGroups:
     def group(kind: GroupKind, prefix: str) -> KVGroup:
         return KVGroup(
             kind=kind,
@@ -42,7 +42,7 @@ def model(page_bytes: int, block_size: int, second: GroupKind, num_layers: int =
             sliding_window=4 * block_size if kind is GroupKind.SLIDING_WINDOW else None,
         )
 
-    return KVLayoutSpec(groups=(group(GroupKind.FULL, "f"), group(second, "s")))
+    return ModelGroups(groups=(group(GroupKind.FULL, "f"), group(second, "s")))
 
 
 MODELS = {
@@ -53,7 +53,7 @@ MODELS = {
 LAYOUTS = {"LBNHC": KVLayoutKind.LAYER_MAJOR, "BLHNC": KVLayoutKind.BLOCK_MAJOR}
 
 
-def cuda_caches(spec: KVLayoutSpec, kind: KVLayoutKind, num_blocks: int):  # type: ignore[no-untyped-def]
+def cuda_caches(spec: ModelGroups, kind: KVLayoutKind, num_blocks: int):  # type: ignore[no-untyped-def]
     alloc = allocate_kv_caches(spec, num_blocks, kind=kind, device=CUDA)
     alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
     return alloc

@@ -18,8 +18,8 @@ from hybridkv.connector.metadata import BlockRef
 from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.setup import EngineFacts, build_lookup, build_store, lookup_for_store
 from hybridkv.connector.worker import ConnectorWorker
+from hybridkv.groups import GroupKind, ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace, RequestBlockHasher
-from hybridkv.spec import GroupKind, KVLayoutSpec
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier, TierStats, TierUsage
 from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.disk import segments
@@ -41,7 +41,7 @@ def make_config(cache_dir: Path, **extra: Any) -> ConnectorConfig:
 
 
 def make_engine(
-    layout: KVLayoutSpec,
+    model_groups: ModelGroups,
     config: ConnectorConfig,
     *,
     store: TieredStore | None = None,
@@ -56,18 +56,20 @@ def make_engine(
     transfer_config = TransferConfig(
         staging_bytes=STAGING_BYTES, load_timeout_s=load_timeout_s, **(transfer or {})
     )
-    worker = ConnectorWorker(layout, store, transfer_config=transfer_config)
+    worker = ConnectorWorker(model_groups, store, transfer_config=transfer_config)
     if lookup is None:
         lookup = lookup_for_store(store)
-    scheduler = ConnectorScheduler(layout, lookup, selection=config.selection)
-    return SimEngine(layout, scheduler, worker, **engine_kwargs)
+    scheduler = ConnectorScheduler(model_groups, lookup, selection=config.selection)
+    return SimEngine(model_groups, scheduler, worker, **engine_kwargs)
 
 
 def make_remote_lookup(
-    config: ConnectorConfig, layout: KVLayoutSpec
+    config: ConnectorConfig, model_groups: ModelGroups
 ) -> tuple[KeyLookup, list[Tier]]:
     """The lookup a scheduler in another process than the worker builds."""
-    facts = EngineFacts(layout=layout, alignment_tokens=layout.scheduler_block_size)
+    facts = EngineFacts(
+        model_groups=model_groups, alignment_tokens=model_groups.scheduler_block_size
+    )
     return build_lookup(config, facts)
 
 
@@ -102,18 +104,18 @@ def remove_from_disk(config: ConnectorConfig, keys: Sequence[StoreKey]) -> int:
 
 
 def block_refs(
-    layout: KVLayoutSpec, tokens: Sequence[int], group_id: int, indices: Sequence[int]
+    model_groups: ModelGroups, tokens: Sequence[int], group_id: int, indices: Sequence[int]
 ) -> list[BlockRef]:
     """The rank-free names of a request's group blocks."""
-    hasher = RequestBlockHasher(layout.hash_block_size)
+    hasher = RequestBlockHasher(model_groups.hash_block_size)
     hasher.extend(tokens)
-    builder = KeyBuilder(layout, KeyNamespace.for_layout(layout))
+    builder = KeyBuilder(model_groups, KeyNamespace.for_groups(model_groups))
     hashes = builder.block_hashes(group_id, hasher.block_hashes, indices)
     return [BlockRef(group_id, h) for h in hashes]
 
 
 def block_keys(
-    layout: KVLayoutSpec,
+    model_groups: ModelGroups,
     tokens: Sequence[int],
     group_id: int,
     indices: Sequence[int],
@@ -122,9 +124,9 @@ def block_keys(
     tp_size: int = 1,
 ) -> list[StoreKey]:
     """The store keys of a request's group blocks in one rank's namespace."""
-    namespace = KeyNamespace.for_layout(layout, tp_rank=tp_rank, tp_size=tp_size)
-    builder = KeyBuilder(layout, namespace)
-    return [builder.key(*ref) for ref in block_refs(layout, tokens, group_id, indices)]
+    namespace = KeyNamespace.for_groups(model_groups, tp_rank=tp_rank, tp_size=tp_size)
+    builder = KeyBuilder(model_groups, namespace)
+    return [builder.key(*ref) for ref in block_refs(model_groups, tokens, group_id, indices)]
 
 
 class GatedTier(Tier):
@@ -203,7 +205,7 @@ def assert_kv_matches_cold(engine: SimEngine, req: SimRequest, num_tokens: int) 
     Returns the number of blocks compared (so callers can insist it is > 0).
     """
     compared = 0
-    for g, group in enumerate(engine.layout.groups):
+    for g, group in enumerate(engine.model_groups.groups):
         ids = req.block_ids[g]
         if group.kind is GroupKind.MAMBA:
             for layer in group.layer_names:
@@ -220,8 +222,10 @@ def assert_kv_matches_cold(engine: SimEngine, req: SimRequest, num_tokens: int) 
     return compared
 
 
-def store_prompt(layout: KVLayoutSpec, cache_dir: Path, tokens: Sequence[int], chunk: int) -> None:
-    first = make_engine(layout, make_config(cache_dir))
+def store_prompt(
+    model_groups: ModelGroups, cache_dir: Path, tokens: Sequence[int], chunk: int
+) -> None:
+    first = make_engine(model_groups, make_config(cache_dir))
     assert first.add("cold", tokens) == 0
     run_to_end(first, "cold", chunk)
     first.settle()

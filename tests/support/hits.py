@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
+from hybridkv.groups import GroupKind, KVGroup
 from hybridkv.hits import Hit, find_longest_hit
-from hybridkv.spec import GroupKind, KVGroup
 
 # ---------------------------------------------------------------- helpers
 
@@ -146,7 +146,7 @@ def reference(
     specs: list[list[int]] = []
     for g_id, g in enumerate(groups):
         for spec in specs:
-            if groups[spec[0]].spec_key == g.spec_key:
+            if groups[spec[0]].search_key == g.search_key:
                 spec.append(g_id)
                 break
         else:
@@ -249,19 +249,19 @@ def random_stores(
     base: dict[tuple[object, ...], set[int]] = {}
     for g in groups:
         nb = max_tokens // g.block_size + 2
-        if g.spec_key in base and rng.random() < 0.8:
+        if g.search_key in base and rng.random() < 0.8:
             drop_rate = rng.choice([0.0, 0.05, 0.2])
-            stored.append({i for i in base[g.spec_key] if rng.random() >= drop_rate})
+            stored.append({i for i in base[g.search_key] if rng.random() >= drop_rate})
             continue
         style = rng.choice(styles)
         density = {"dense": 1.0, "holes": 0.85, "sparse": 0.3, "prefix": 1.0, "empty": 0.0}[style]
         limit = rng.randint(0, nb) if style == "prefix" else nb
         stored.append({i for i in range(limit) if rng.random() < density})
-        base.setdefault(g.spec_key, stored[-1])
+        base.setdefault(g.search_key, stored[-1])
     return stored
 
 
-def random_layout(
+def random_groups(
     rng: random.Random, max_groups: int = 4
 ) -> tuple[list[KVGroup], int | None, bool]:
     """Like ``layouts`` but from a seeded generator (for many cheap cases)."""

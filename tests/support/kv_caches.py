@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.layout import CanonicalKVCaches
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 
 
 def group(
@@ -69,8 +69,8 @@ def real_vllm_allocator() -> VllmAllocate:
     return allocate
 
 
-def qwen_next_like(attn_page: int, mamba_page: int) -> KVLayoutSpec:
-    return KVLayoutSpec(
+def qwen_next_like(attn_page: int, mamba_page: int) -> ModelGroups:
+    return ModelGroups(
         groups=(
             group(GroupKind.FULL, ("a.0", "a.3"), attn_page, block_size=64),
             group(GroupKind.MAMBA, ("m.1", "m.4"), mamba_page, block_size=64),
@@ -79,9 +79,9 @@ def qwen_next_like(attn_page: int, mamba_page: int) -> KVLayoutSpec:
     )
 
 
-def gemma_like(page: int = 4096) -> KVLayoutSpec:
+def gemma_like(page: int = 4096) -> ModelGroups:
     """Sliding window + full attention, two layers each (vLLM groups layers 0,2 and 1,3)."""
-    return KVLayoutSpec(
+    return ModelGroups(
         groups=(
             group(GroupKind.SLIDING_WINDOW, ("l.0", "l.2"), page),
             group(GroupKind.FULL, ("l.1", "l.3"), page),
@@ -92,10 +92,10 @@ def gemma_like(page: int = 4096) -> KVLayoutSpec:
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def attention_shapes(layout: KVLayoutSpec, dtype: torch.dtype) -> Shapes:
+def attention_shapes(model_groups: ModelGroups, dtype: torch.dtype) -> Shapes:
     """[kv_heads, block_size, C] pages, vLLM CPU style (K and V concatenated in C)."""
     shapes: Shapes = {}
-    for g in layout.groups:
+    for g in model_groups.groups:
         elements = g.page_size_bytes // dtype.itemsize
         for name in g.layer_names:
             shapes[name] = ((2, g.block_size, elements // (2 * g.block_size)), dtype)
@@ -112,7 +112,7 @@ def reference_object(kv_caches: dict[str, torch.Tensor], g: KVGroup, block_id: i
 
 
 def object_via_spans(c: CanonicalKVCaches, group_id: int, block_id: int) -> bytes:
-    out = bytearray(c.layout.groups[group_id].block_bytes)
+    out = bytearray(c.model_groups.groups[group_id].block_bytes)
     for span in c.group_block_spans(group_id):
         row = c.tensors[span.tensor_idx][block_id]
         chunk = row[span.offset_bytes : span.offset_bytes + span.num_bytes]

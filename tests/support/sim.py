@@ -36,7 +36,7 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.steps import ScheduledRequest, StepInput
 from hybridkv.connector.worker import ConnectorWorker
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 
 HEAD_DIM = 4
 NUM_KV_HEADS = 1
@@ -47,14 +47,14 @@ def attention_page_bytes(block_size: int) -> int:
     return NUM_KV_HEADS * block_size * 2 * HEAD_DIM * 4
 
 
-def make_layout(
+def make_groups(
     kinds: Sequence[GroupKind],
     *,
     block_size: int = 4,
     window: int = 8,
     layers_per_group: int = 2,
     model_id: str = "sim",
-) -> KVLayoutSpec:
+) -> ModelGroups:
     """Groups of the given kinds, equal block sizes, ``layers_per_group`` layers each."""
     groups = []
     for g, kind in enumerate(kinds):
@@ -68,17 +68,17 @@ def make_layout(
                 sliding_window=window if kind is GroupKind.SLIDING_WINDOW else None,
             )
         )
-    return KVLayoutSpec(groups=tuple(groups), model_id=model_id)
+    return ModelGroups(groups=tuple(groups), model_id=model_id)
 
 
-def make_kv_caches(layout: KVLayoutSpec, num_blocks: int) -> dict[str, torch.Tensor]:
+def make_kv_caches(model_groups: ModelGroups, num_blocks: int) -> dict[str, torch.Tensor]:
     """Per-layer tensors as vLLM's CPU backend registers them (storage shared per slot)."""
-    bs = layout.groups[0].block_size
+    bs = model_groups.groups[0].block_size
     page = attention_page_bytes(bs)
-    num_slots = max(g.num_layers for g in layout.groups)
+    num_slots = max(g.num_layers for g in model_groups.groups)
     buffers = [torch.zeros(num_blocks * page, dtype=torch.int8) for _ in range(num_slots)]
     caches: dict[str, torch.Tensor] = {}
-    for group in layout.groups:
+    for group in model_groups.groups:
         for slot, name in enumerate(group.layer_names):
             buf = buffers[slot]
             if group.kind is GroupKind.MAMBA:
@@ -137,7 +137,7 @@ class SimEngine:
 
     def __init__(
         self,
-        layout: KVLayoutSpec,
+        model_groups: ModelGroups,
         scheduler: ConnectorScheduler,
         worker: ConnectorWorker,
         *,
@@ -145,11 +145,11 @@ class SimEngine:
         reuse_freed_first: bool = False,
         fence: bool = True,
     ) -> None:
-        self.layout = layout
+        self.model_groups = model_groups
         self.scheduler = scheduler
         self.worker = worker
         self.num_blocks = num_blocks
-        self.kv = make_kv_caches(layout, num_blocks)
+        self.kv = make_kv_caches(model_groups, num_blocks)
         worker.register_kv_caches(self.kv)
         self.free_ids = list(range(1, num_blocks))
         self.reuse_freed_first = reuse_freed_first
@@ -177,7 +177,7 @@ class SimEngine:
 
     def _retire(self, req: SimRequest) -> None:
         """vLLM's remove_skipped_blocks, before a step, from ``num_computed``."""
-        for g, group in enumerate(self.layout.groups):
+        for g, group in enumerate(self.model_groups.groups):
             ids = req.block_ids[g]
             if group.kind is GroupKind.SLIDING_WINDOW:
                 assert group.sliding_window is not None
@@ -192,7 +192,7 @@ class SimEngine:
 
     def _allocate(self, req: SimRequest, end: int, *, hit_tokens: int | None = None) -> None:
         """Blocks up to token ``end``; for a hit, only the blocks each kind keeps."""
-        for g, group in enumerate(self.layout.groups):
+        for g, group in enumerate(self.model_groups.groups):
             ids = req.block_ids[g]
             need = -(-end // group.block_size)
             while len(ids) < need:
@@ -219,7 +219,7 @@ class SimEngine:
 
     def add(self, req_id: str, tokens: Sequence[int], *, cache_salt: str | None = None) -> int:
         """Admit a request: lookup, allocate; returns the tokens it will load."""
-        req = SimRequest(req_id, list(tokens), [[] for _ in self.layout.groups])
+        req = SimRequest(req_id, list(tokens), [[] for _ in self.model_groups.groups])
         self.requests[req_id] = req
         self.scheduler.add_request(req_id, cache_salt=cache_salt)
         return self._admit(req)
@@ -242,7 +242,7 @@ class SimEngine:
         for ids in req.block_ids:
             for b in ids:
                 self._free(b)
-        req.block_ids = [[] for _ in self.layout.groups]
+        req.block_ids = [[] for _ in self.model_groups.groups]
         req.num_computed = 0
         req.new = True
         self.preempted.add(req_id)
@@ -338,7 +338,7 @@ class SimEngine:
         """vLLM 0.32 after a failed load: one full-attention group keeps the prefix before
         its first failed block (invalid block ids); otherwise the request starts over
         (failed_recving), asking the connector again."""
-        groups = self.layout.groups
+        groups = self.model_groups.groups
         failed = set(result.failed_block_ids[0]) if result.failed_block_ids else set()
         if (
             len(groups) == 1
@@ -352,7 +352,7 @@ class SimEngine:
         for ids in req.block_ids:
             for b in ids:
                 self._free(b)
-        req.block_ids = [[] for _ in self.layout.groups]
+        req.block_ids = [[] for _ in self.model_groups.groups]
         req.num_computed = 0
         self._admit(req)
 
@@ -363,7 +363,7 @@ class SimEngine:
 
     def _compute(self, req: SimRequest, n: int) -> None:
         start, end = req.num_computed, req.num_computed + n
-        for g, group in enumerate(self.layout.groups):
+        for g, group in enumerate(self.model_groups.groups):
             ids = req.block_ids[g]
             bs = group.block_size
             for layer in group.layer_names:
@@ -383,13 +383,13 @@ class SimEngine:
     # --- reading KV back ---------------------------------------------------------------
 
     def state_bytes(self, req: SimRequest, group_id: int, layer: str, num_tokens: int) -> bytes:
-        bs = self.layout.groups[group_id].block_size
+        bs = self.model_groups.groups[group_id].block_size
         block = req.block_ids[group_id][-(-num_tokens // bs) - 1]
         assert block != 0, f"no state block for {num_tokens} tokens"
         return bytes(self.kv[layer][block, 0, 0].numpy().tobytes())
 
     def block_bytes(self, group_id: int, block_id: int) -> bytes:
-        group = self.layout.groups[group_id]
+        group = self.model_groups.groups[group_id]
         out = b""
         for layer in group.layer_names:
             t = self.kv[layer]
@@ -398,7 +398,7 @@ class SimEngine:
 
     def expected_block(self, tokens: Sequence[int], group_id: int, index: int) -> bytes:
         """What a cold run writes into block ``index`` of an attention group."""
-        group = self.layout.groups[group_id]
+        group = self.model_groups.groups[group_id]
         bs = group.block_size
         out = b""
         for layer in group.layer_names:

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
+from hybridkv.groups import GroupKind, ModelGroups
 from hybridkv.layout import KVLayoutKind
-from hybridkv.spec import GroupKind, KVLayoutSpec
 from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import StagingArena
 from tests.support.kv_caches import (
@@ -27,9 +27,9 @@ from tests.support.kv_caches import (
 
 @pytest.mark.parametrize("kind", list(KVLayoutKind))
 def test_allocate_gives_engine_shapes_and_canonical_objects(kind: KVLayoutKind) -> None:
-    layout = gemma_like()
-    shapes = attention_shapes(layout, torch.float32)
-    alloc = allocate_kv_caches(layout, 8, kind=kind, shapes=shapes)
+    model_groups = gemma_like()
+    shapes = attention_shapes(model_groups, torch.float32)
+    alloc = allocate_kv_caches(model_groups, 8, kind=kind, shapes=shapes)
     assert alloc.kind is kind
     for name, (shape, dtype) in shapes.items():
         assert alloc.kv_caches[name].shape == (8, *shape)
@@ -40,7 +40,7 @@ def test_allocate_gives_engine_shapes_and_canonical_objects(kind: KVLayoutKind) 
     assert len(c.tensors) == (1 if kind is KVLayoutKind.BLOCK_MAJOR else 2)
     assert c.page_formats == ("float32[2,32,16]", "float32[2,32,16]")
     fill_random(alloc.buffer, 1)
-    for group_id, g in enumerate(layout.groups):
+    for group_id, g in enumerate(model_groups.groups):
         spans = c.group_block_spans(group_id)
         assert len(spans) == (1 if kind is KVLayoutKind.BLOCK_MAJOR else g.num_layers)
         for block_id in range(8):
@@ -103,7 +103,7 @@ def test_block_major_groups_share_one_slot_per_layer_index() -> None:
 def test_block_major_with_uneven_groups_pads_rows_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    even = KVLayoutSpec(
+    even = ModelGroups(
         groups=(
             group(GroupKind.FULL, ("a.0",), 3000),
             group(GroupKind.MAMBA, ("m.1", "m.2", "m.3"), 1000),
@@ -113,7 +113,7 @@ def test_block_major_with_uneven_groups_pads_rows_and_says_so(
         allocate_kv_caches(even, 5, kind=KVLayoutKind.BLOCK_MAJOR)
         allocate_kv_caches(gemma_like(), 5, kind=KVLayoutKind.BLOCK_MAJOR)
     assert not caplog.records  # equal group blocks waste nothing: nothing to say
-    uneven = KVLayoutSpec(
+    uneven = ModelGroups(
         groups=(
             group(GroupKind.FULL, ("a.0",), 3000),
             group(GroupKind.MAMBA, ("m.1", "m.2", "m.3"), 900),
@@ -129,28 +129,28 @@ def test_block_major_with_uneven_groups_pads_rows_and_says_so(
 
 
 def test_layer_major_slots_use_the_largest_page_of_their_layer_index() -> None:
-    layout = KVLayoutSpec(
+    model_groups = ModelGroups(
         groups=(
             group(GroupKind.FULL, ("a.0", "a.1"), 2048),
             group(GroupKind.MAMBA, ("m.0",), 4096),
         )
     )
-    alloc = allocate_kv_caches(layout, 3, kind=KVLayoutKind.LAYER_MAJOR)
+    alloc = allocate_kv_caches(model_groups, 3, kind=KVLayoutKind.LAYER_MAJOR)
     assert alloc.buffer.numel() == 3 * 4096 + 3 * 2048
     assert alloc.kv_caches["a.0"].data_ptr() == alloc.kv_caches["m.0"].data_ptr()
     assert alloc.kv_caches["a.0"].stride(0) == 4096  # padded row of the shared slot
     fill_random(alloc.buffer, 2)
-    for group_id, g in enumerate(layout.groups):
+    for group_id, g in enumerate(model_groups.groups):
         for block_id in range(3):
             want = reference_object(alloc.kv_caches, g, block_id)
             assert object_via_spans(alloc.canonical, group_id, block_id) == want
 
 
 def test_allocate_rejects_bad_arguments_with_every_problem() -> None:
-    layout = gemma_like()
+    model_groups = gemma_like()
     with pytest.raises(ValueError) as err:
         allocate_kv_caches(
-            layout,
+            model_groups,
             0,
             shapes={"l.0": ((2, 32, 8), torch.float32), "nope": ((1,), torch.int8)},
         )

@@ -31,8 +31,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowMLASpec,
 )
 
-from hybridkv.integrations.vllm.facts import layout_from_config
-from hybridkv.spec import GroupKind, KVLayoutSpec
+from hybridkv.groups import GroupKind, ModelGroups
+from hybridkv.integrations.vllm.facts import groups_from_config
 from hybridkv.tools.presets import (
     DEEPSEEK_V4_FLASH_RATIOS,
     DEEPSEEK_V4_PRO_RATIOS,
@@ -116,7 +116,7 @@ def vllm_specs(ratios: tuple[int, ...], *, mtp: bool) -> dict[str, KVCacheSpec]:
     return specs
 
 
-def vllm_layout(ratios: tuple[int, ...], *, mtp: bool) -> tuple[KVLayoutSpec, list[Any]]:
+def vllm_groups(ratios: tuple[int, ...], *, mtp: bool) -> tuple[ModelGroups, list[Any]]:
     """vLLM's groups for these caches, through the adapter.
 
     ``get_kv_cache_groups`` dispatches this input (several page sizes, block-outer
@@ -133,7 +133,7 @@ def vllm_layout(ratios: tuple[int, ...], *, mtp: bool) -> tuple[KVLayoutSpec, li
     if mtp:
         _annotate_eagle_groups(_MtpConfig(), specs, groups, use_trailing_layer_fallback=True)
     kv_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
-    return layout_from_config(kv_config, "m"), groups
+    return groups_from_config(kv_config, "m"), groups
 
 
 class _MtpSpeculation:
@@ -157,7 +157,7 @@ PRESETS = [
 @pytest.mark.parametrize(("name", "ratios", "preset"), PRESETS, ids=[p[0] for p in PRESETS])
 def test_preset_is_vllms_grouping(name: str, ratios: Any, preset: Any, mtp: bool) -> None:
     ours = preset(mtp=mtp)
-    theirs, groups = vllm_layout(ratios, mtp=mtp)
+    theirs, groups = vllm_groups(ratios, mtp=mtp)
     assert len(ours.groups) == len(theirs.groups) == 5
     for mine, vllm_group in zip(ours.groups, theirs.groups, strict=True):
         assert mine.kind is vllm_group.kind
@@ -166,7 +166,7 @@ def test_preset_is_vllms_grouping(name: str, ratios: Any, preset: Any, mtp: bool
         # vLLM keeps registration order inside a group: compare in order, pages too.
         assert mine.layer_names == vllm_group.layer_names
         assert mine.page_sizes_bytes == vllm_group.page_sizes_bytes
-        assert mine.spec_key == vllm_group.spec_key
+        assert mine.search_key == vllm_group.search_key
     assert ours.fingerprint == theirs.fingerprint
     flagged = [i for i, g in enumerate(groups) if g.is_eagle_group]
     mtp_swa = f"model.layers.{len(ratios)}.attn.swa_cache"
@@ -184,8 +184,8 @@ def test_scheduler_and_workers_name_blocks_alike(name: str, ratios: Any, preset:
     groups = get_kv_cache_groups(config, vllm_specs(ratios, mtp=True))
     worker_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
     scheduler_config = generate_scheduler_kv_cache_config([worker_config])
-    worker = layout_from_config(worker_config, "m")
-    scheduler = layout_from_config(scheduler_config, "m")
+    worker = groups_from_config(worker_config, "m")
+    scheduler = groups_from_config(scheduler_config, "m")
     assert any(g.layer_page_sizes_bytes for g in worker.groups)
     assert not any(g.layer_page_sizes_bytes for g in scheduler.groups)
     assert scheduler.fingerprint == worker.fingerprint
@@ -205,8 +205,8 @@ def test_scheduler_and_workers_name_blocks_alike(name: str, ratios: Any, preset:
 KEPT_BLOCKS = {64: 2, 256: 1, 4: 2, 8: 16}
 
 
-def stored_bytes_per_segment(layout: KVLayoutSpec) -> int:
-    return sum(KEPT_BLOCKS[g.block_size] * g.block_bytes for g in layout.groups)
+def stored_bytes_per_segment(model_groups: ModelGroups) -> int:
+    return sum(KEPT_BLOCKS[g.block_size] * g.block_bytes for g in model_groups.groups)
 
 
 def test_flash_stored_bytes_per_segment_are_the_notes_figure() -> None:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hybridkv.tools.models.build as models
-from hybridkv.spec import GroupKind
+from hybridkv.groups import GroupKind
 from hybridkv.tools.models import (
     TinyModel,
     TinyModelKind,

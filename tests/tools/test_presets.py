@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from hybridkv.spec import GroupKind, KVLayoutSpec
+from hybridkv.groups import GroupKind, ModelGroups
 from hybridkv.tools.presets import (
     PRESETS,
     QWEN3_NEXT_STATE_BYTES,
@@ -30,7 +30,7 @@ from hybridkv.tools.presets import (
     gemma3_27b,
     gpt_oss_20b,
     group_layers_like_vllm,
-    load_layout,
+    load_groups,
     qwen3_next_80b_a3b,
 )
 
@@ -52,8 +52,10 @@ VLLM_TYPE = {
 }
 
 
-def ours(layout: KVLayoutSpec) -> list[tuple[str, list[str], int]]:
-    return [(VLLM_TYPE[g.kind], list(g.layer_names), g.page_size_bytes) for g in layout.groups]
+def ours(model_groups: ModelGroups) -> list[tuple[str, list[str], int]]:
+    return [
+        (VLLM_TYPE[g.kind], list(g.layer_names), g.page_size_bytes) for g in model_groups.groups
+    ]
 
 
 def test_preset_names() -> None:
@@ -65,16 +67,16 @@ def test_preset_names() -> None:
         "qwen3-next-80b-a3b",
     ]
     for name, build in PRESETS.items():
-        layout = build()
-        assert layout == build()  # deterministic
-        assert load_layout(name) == layout
+        model_groups = build()
+        assert model_groups == build()  # deterministic
+        assert load_groups(name) == model_groups
 
 
 # ---------------------------------------------------------------- Gemma 3 27B
 
 
 def test_gemma3_27b_matches_vllm() -> None:
-    layout = gemma3_27b()
+    model_groups = gemma3_27b()
     specs: dict[str, KVCacheSpec] = {}
     for i in range(62):
         name = f"language_model.model.layers.{i}.self_attn.attn"
@@ -86,20 +88,20 @@ def test_gemma3_27b_matches_vllm() -> None:
             specs[name] = SlidingWindowSpec(
                 block_size=16, num_kv_heads=16, head_size=128, dtype=BF16, sliding_window=1024
             )
-    assert ours(layout) == vllm_groups(specs)
-    assert [g.num_layers for g in layout.groups] == [9, 9, 9, 9, 8, 8, 10]
-    assert layout.groups[-1].kind is GroupKind.FULL
-    assert {g.sliding_window for g in layout.groups[:-1]} == {1024}
-    assert layout.groups[0].page_size_bytes == 2 * 16 * 16 * 128 * 2 == 131072
-    assert (layout.scheduler_block_size, layout.hash_block_size) == (16, 16)
-    assert sum(g.num_layers for g in layout.groups) == 62
+    assert ours(model_groups) == vllm_groups(specs)
+    assert [g.num_layers for g in model_groups.groups] == [9, 9, 9, 9, 8, 8, 10]
+    assert model_groups.groups[-1].kind is GroupKind.FULL
+    assert {g.sliding_window for g in model_groups.groups[:-1]} == {1024}
+    assert model_groups.groups[0].page_size_bytes == 2 * 16 * 16 * 128 * 2 == 131072
+    assert (model_groups.scheduler_block_size, model_groups.hash_block_size) == (16, 16)
+    assert sum(g.num_layers for g in model_groups.groups) == 62
 
 
 # ---------------------------------------------------------------- gpt-oss-20b
 
 
 def test_gpt_oss_20b_matches_vllm() -> None:
-    layout = gpt_oss_20b()
+    model_groups = gpt_oss_20b()
     specs: dict[str, KVCacheSpec] = {}
     for i in range(24):
         name = f"model.layers.{i}.attn.attn"
@@ -109,13 +111,13 @@ def test_gpt_oss_20b_matches_vllm() -> None:
             )
         else:
             specs[name] = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=64, dtype=BF16)
-    assert ours(layout) == vllm_groups(specs)
-    assert [(g.kind, g.num_layers) for g in layout.groups] == [
+    assert ours(model_groups) == vllm_groups(specs)
+    assert [(g.kind, g.num_layers) for g in model_groups.groups] == [
         (GroupKind.SLIDING_WINDOW, 12),
         (GroupKind.FULL, 12),
     ]
-    assert layout.groups[0].sliding_window == 128
-    assert layout.groups[0].page_size_bytes == 32768
+    assert model_groups.groups[0].sliding_window == 128
+    assert model_groups.groups[0].page_size_bytes == 32768
 
 
 # ---------------------------------------------------------------- Qwen3-Next-80B-A3B
@@ -152,7 +154,7 @@ def test_qwen3_next_block_size_is_the_smallest_that_fits_the_state() -> None:
 
 
 def test_qwen3_next_80b_a3b_matches_vllm() -> None:
-    layout = qwen3_next_80b_a3b()
+    model_groups = qwen3_next_80b_a3b()
     attention_page = 544 * 2048
     shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(1, 16, 32, 128, 128, 4)
     specs: dict[str, KVCacheSpec] = {}
@@ -169,32 +171,32 @@ def test_qwen3_next_80b_a3b_matches_vllm() -> None:
                 page_size_padded=attention_page,
                 mamba_cache_mode="align",
             )
-    assert ours(layout) == vllm_groups(specs)
-    assert [(g.kind, g.num_layers) for g in layout.groups] == [(GroupKind.MAMBA, 12)] * 3 + [
+    assert ours(model_groups) == vllm_groups(specs)
+    assert [(g.kind, g.num_layers) for g in model_groups.groups] == [(GroupKind.MAMBA, 12)] * 3 + [
         (GroupKind.FULL, 12)
     ]
-    assert layout.block_sizes == (544,) * 4
-    assert {g.page_size_bytes for g in layout.groups} == {attention_page}
+    assert model_groups.block_sizes == (544,) * 4
+    assert {g.page_size_bytes for g in model_groups.groups} == {attention_page}
 
 
 # ---------------------------------------------------------------- DeepSeek-V4-Flash
 
 
 def test_deepseek_v4_flash_has_five_groups_of_the_noted_block_sizes() -> None:
-    layout = deepseek_v4_flash()
-    assert layout.block_sizes == (64, 64, 256, 4, 8)
-    assert (layout.scheduler_block_size, layout.hash_block_size) == (256, 4)
-    assert [g.kind for g in layout.groups] == [GroupKind.SLIDING_WINDOW] * 2 + [GroupKind.FULL] + [
-        GroupKind.SLIDING_WINDOW
-    ] * 2
-    assert [g.sliding_window for g in layout.groups] == [128, 128, None, 8, 128]
+    model_groups = deepseek_v4_flash()
+    assert model_groups.block_sizes == (64, 64, 256, 4, 8)
+    assert (model_groups.scheduler_block_size, model_groups.hash_block_size) == (256, 4)
+    assert [g.kind for g in model_groups.groups] == [GroupKind.SLIDING_WINDOW] * 2 + [
+        GroupKind.FULL
+    ] + [GroupKind.SLIDING_WINDOW] * 2
+    assert [g.sliding_window for g in model_groups.groups] == [128, 128, None, 8, 128]
     # 43 sliding-window caches split even/odd; 41 compressed layers + 21 CSA indexers;
     # 21 CSA attention + 21 CSA indexer compressor states; 20 HCA compressor states.
-    assert [g.num_layers for g in layout.groups] == [22, 21, 62, 42, 20]
-    mla = layout.groups[2]
+    assert [g.num_layers for g in model_groups.groups] == [22, 21, 62, 42, 20]
+    mla = model_groups.groups[2]
     assert sorted(set(mla.page_sizes_bytes)) == [2 * 584, 64 * 132, 64 * 584]
     assert mla.block_bytes == 21 * 64 * 584 + 21 * 64 * 132 + 20 * 2 * 584
-    assert layout.groups[3].block_bytes == 21 * (4 * 2048 * 4) + 21 * (4 * 512 * 4)
+    assert model_groups.groups[3].block_bytes == 21 * (4 * 2048 * 4) + 21 * (4 * 512 * 4)
     # The MTP layer is sliding-window only and joins the odd layers' group.
     with_mtp = deepseek_v4_flash(mtp=True)
     assert with_mtp.groups[1].layer_names[-1] == "model.layers.43.attn.swa_cache"
@@ -202,11 +204,11 @@ def test_deepseek_v4_flash_has_five_groups_of_the_noted_block_sizes() -> None:
 
 
 def test_deepseek_v4_pro_has_no_sliding_only_layers_and_swaps_the_state_groups() -> None:
-    layout = deepseek_v4_pro()
-    assert layout.block_sizes == (64, 64, 256, 8, 4)
+    model_groups = deepseek_v4_pro()
+    assert model_groups.block_sizes == (64, 64, 256, 8, 4)
     # 61 sliding caches; 61 compressed + 30 indexers; 31 HCA states; 30 + 30 CSA states.
-    assert [g.num_layers for g in layout.groups] == [31, 30, 91, 31, 60]
-    assert "model.layers.0.attn" in layout.groups[2].layer_names
+    assert [g.num_layers for g in model_groups.groups] == [31, 30, 91, 31, 60]
+    assert "model.layers.0.attn" in model_groups.groups[2].layer_names
 
 
 # ---------------------------------------------------------------- the grouping rule itself
@@ -248,21 +250,21 @@ def test_grouping_matches_vllm_for_any_layer_pattern(pattern: list[str]) -> None
         assert mine.sliding_window == window
 
 
-# ---------------------------------------------------------------- load_layout
+# ---------------------------------------------------------------- load_groups
 
 
 def test_load_layout_reads_a_layout_file(tmp_path: Path) -> None:
-    path = tmp_path / "layout.json"
+    path = tmp_path / "groups.json"
     path.write_text(json.dumps(gpt_oss_20b().to_dict()))
-    assert load_layout(path) == gpt_oss_20b()
-    assert load_layout(str(path)).fingerprint == gpt_oss_20b().fingerprint
+    assert load_groups(path) == gpt_oss_20b()
+    assert load_groups(str(path)).fingerprint == gpt_oss_20b().fingerprint
 
 
 def test_load_layout_unknown_name_lists_presets() -> None:
     with pytest.raises(FileNotFoundError) as info:
-        load_layout("llama-9000")
+        load_groups("llama-9000")
     message = str(info.value)
-    assert "'llama-9000' is neither a preset nor a layout JSON file" in message
+    assert "'llama-9000' is neither a preset nor a groups JSON file" in message
     for name in PRESETS:
         assert name in message
 
@@ -296,6 +298,6 @@ def test_load_layout_bad_files_name_the_file_and_problem(
     path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(ValueError) as info:
-        load_layout(path)
+        load_groups(path)
     assert str(path) in str(info.value)
     assert fragment in str(info.value)

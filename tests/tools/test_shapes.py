@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import hybridkv.tools.models.build as build
-from hybridkv.spec import GroupKind
+from hybridkv.groups import GroupKind
 from hybridkv.tools.models import ShapeKind, ShapeModel, build_shape_model
 from hybridkv.tools.models.shapes import (
     KV_CACHE_MEMORY_BYTES,

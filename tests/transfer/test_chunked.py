@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.layout import KVLayoutKind
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import BlockCopier
 from hybridkv.transfer.chunked import MAX_SCRATCH_GAP_BYTES, ChunkedCopies, Piece, plan_pieces
@@ -77,7 +77,7 @@ def test_a_block_larger_than_the_chunk_is_refused_by_the_planner() -> None:
         plan_pieces(np.zeros(1, np.int64), 4096, 1024, scratch_gaps=False)
 
 
-def layout() -> KVLayoutSpec:
+def model_groups() -> ModelGroups:
     groups = tuple(
         KVGroup(
             kind=kind,
@@ -88,7 +88,7 @@ def layout() -> KVLayoutSpec:
         )
         for kind in (GroupKind.FULL, GroupKind.SLIDING_WINDOW)
     )
-    return KVLayoutSpec(groups=groups)
+    return ModelGroups(groups=groups)
 
 
 @pytest.mark.parametrize("kind", list(KVLayoutKind))
@@ -96,7 +96,7 @@ def layout() -> KVLayoutSpec:
 def test_rows_anywhere_in_host_memory_round_trip_exactly(kind: KVLayoutKind, chunked: bool) -> None:
     """Rows at scattered offsets (a tier's extents): each block lands in its own row and
     nowhere else, and comes back into only its own block."""
-    spec = layout()
+    spec = model_groups()
     alloc = allocate_kv_caches(spec, 64, kind=kind)
     alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
     copier = BlockCopier(alloc.canonical, chunked=chunked, chunk_bytes=4 * 3 * BLOCK)
@@ -126,7 +126,7 @@ def test_rows_with_scratch_between_them_move_as_one_piece() -> None:
     """Header room in staging: one copy over rows and rooms; without leave to write the
     rooms, one copy per row and the rooms keep their bytes. Bytes before the first row
     and the payloads are right either way."""
-    spec = layout()
+    spec = model_groups()
     alloc = allocate_kv_caches(spec, 16, kind=KVLayoutKind.BLOCK_MAJOR)
     alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
     chunks = ChunkedCopies(alloc.canonical)
@@ -146,7 +146,7 @@ def test_rows_with_scratch_between_them_move_as_one_piece() -> None:
 
 
 def test_device_memory_is_one_chunk_whatever_the_job() -> None:
-    spec = layout()
+    spec = model_groups()
     alloc = allocate_kv_caches(spec, 512, kind=KVLayoutKind.LAYER_MAJOR)
     chunks = ChunkedCopies(alloc.canonical, chunk_bytes=8 * spec.groups[0].block_bytes)
     assert chunks.chunk_bytes == 8 * spec.groups[0].block_bytes

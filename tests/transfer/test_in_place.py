@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.layout import KVLayoutKind
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.config import DiskConfig
@@ -35,7 +35,7 @@ NUM_BLOCKS = 64
 PAGE = 1024
 
 
-def spec() -> KVLayoutSpec:
+def spec() -> ModelGroups:
     full = KVGroup(
         kind=GroupKind.FULL,
         block_size=16,
@@ -49,7 +49,7 @@ def spec() -> KVLayoutSpec:
         layer_names=("s.0", "s.1", "s.2"),
         sliding_window=64,
     )
-    return KVLayoutSpec(groups=(full, window))
+    return ModelGroups(groups=(full, window))
 
 
 def keys(tag: str, group_id: int, ids: list[int]) -> list[StoreKey]:
@@ -75,11 +75,11 @@ def mode(request: pytest.FixtureRequest) -> dict[str, object]:
 
 
 @pytest.fixture
-def caches() -> Iterator[tuple[KVLayoutSpec, torch.Tensor, object]]:
-    layout = spec()
-    alloc = allocate_kv_caches(layout, NUM_BLOCKS, kind=KVLayoutKind.LAYER_MAJOR)
+def caches() -> Iterator[tuple[ModelGroups, torch.Tensor, object]]:
+    model_groups = spec()
+    alloc = allocate_kv_caches(model_groups, NUM_BLOCKS, kind=KVLayoutKind.LAYER_MAJOR)
     alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
-    yield layout, alloc.buffer, alloc.canonical
+    yield model_groups, alloc.buffer, alloc.canonical
 
 
 def block_bytes_of(canonical: object, group_id: int, block_id: int) -> bytes:
@@ -92,9 +92,9 @@ def block_bytes_of(canonical: object, group_id: int, block_id: int) -> bytes:
 
 
 def test_a_store_lands_in_the_tier_memory_without_staging(
-    caches: tuple[KVLayoutSpec, torch.Tensor, object], mode: dict[str, object]
+    caches: tuple[ModelGroups, torch.Tensor, object], mode: dict[str, object]
 ) -> None:
-    layout, buffer, canonical = caches
+    model_groups, buffer, canonical = caches
     cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
     config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
     with TransferEngine(canonical, TieredStore([cpu]), config) as engine:  # type: ignore[arg-type]
@@ -102,12 +102,12 @@ def test_a_store_lands_in_the_tier_memory_without_staging(
         parts = [TransferPart(g, ids, keys("s", g, ids)) for g in range(2)]
         result = run(engine, engine.submit_store(parts))
         assert result.ok and engine.arena.used_bytes == 0
-        assert engine.stats().bytes["store"] == 2 * 9 * layout.groups[0].block_bytes
+        assert engine.stats().bytes["store"] == 2 * 9 * model_groups.groups[0].block_bytes
         # The tier's memory holds each block's bytes at the offset it lends out.
         memory = cpu.memory()
         assert memory is not None
         for g in range(2):
-            sizes = [layout.groups[g].block_bytes] * len(ids)
+            sizes = [model_groups.groups[g].block_bytes] * len(ids)
             offsets = memory.borrow_many(keys("s", g, ids), sizes)
             for block, offset in zip(ids, offsets, strict=True):
                 assert isinstance(offset, int)
@@ -126,7 +126,7 @@ def test_a_store_lands_in_the_tier_memory_without_staging(
 
 def test_a_load_reads_what_the_cpu_tier_lacks_from_the_disk_tier(
     tmp_path: Path,
-    caches: tuple[KVLayoutSpec, torch.Tensor, object],
+    caches: tuple[ModelGroups, torch.Tensor, object],
     mode: dict[str, object],
 ) -> None:
     _, buffer, canonical = caches
@@ -163,11 +163,11 @@ def test_a_load_reads_what_the_cpu_tier_lacks_from_the_disk_tier(
 
 
 def test_a_borrowed_block_is_not_evicted_while_a_load_reads_it(
-    caches: tuple[KVLayoutSpec, torch.Tensor, object],
+    caches: tuple[ModelGroups, torch.Tensor, object],
 ) -> None:
     """Loads release what they borrowed: afterwards every object can be evicted again."""
-    layout, _, canonical = caches
-    block_bytes = layout.groups[0].block_bytes
+    model_groups, _, canonical = caches
+    block_bytes = model_groups.groups[0].block_bytes
     cpu = CpuTier(CpuConfig(capacity_bytes=4 * block_bytes, pin_memory=False))
     with TransferEngine(canonical, TieredStore([cpu]), TransferConfig()) as engine:  # type: ignore[arg-type]
         parts = [TransferPart(0, [1, 2, 3, 4], keys("e", 0, [1, 2, 3, 4]))]
@@ -186,7 +186,7 @@ def test_a_borrowed_block_is_not_evicted_while_a_load_reads_it(
 
 
 def test_a_failing_tier_fails_the_store_never_the_caller(
-    caches: tuple[KVLayoutSpec, torch.Tensor, object], mode: dict[str, object]
+    caches: tuple[ModelGroups, torch.Tensor, object], mode: dict[str, object]
 ) -> None:
     """A closed CPU tier raises on every call: the store is reported failed, the load
     too, and neither raises into the engine's thread."""
@@ -206,13 +206,13 @@ def test_a_failing_tier_fails_the_store_never_the_caller(
 
 def test_blocks_the_cpu_tier_has_no_room_for_still_reach_the_disk_tier(
     tmp_path: Path,
-    caches: tuple[KVLayoutSpec, torch.Tensor, object],
+    caches: tuple[ModelGroups, torch.Tensor, object],
     mode: dict[str, object],
 ) -> None:
     """One store larger than the CPU tier: what its memory cannot take goes through the
     tiered store's put, so the disk tier gets every block and every block reads back."""
-    layout, buffer, canonical = caches
-    block_bytes = layout.groups[0].block_bytes
+    model_groups, buffer, canonical = caches
+    block_bytes = model_groups.groups[0].block_bytes
     cpu = CpuTier(CpuConfig(capacity_bytes=4 * block_bytes, pin_memory=False))
     disk = DiskTier(DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=16 << 20))
     store = TieredStore([cpu, disk])
@@ -237,14 +237,14 @@ def test_blocks_the_cpu_tier_has_no_room_for_still_reach_the_disk_tier(
 
 def test_a_load_part_reads_only_the_tier_it_names(
     tmp_path: Path,
-    caches: tuple[KVLayoutSpec, torch.Tensor, object],
+    caches: tuple[ModelGroups, torch.Tensor, object],
     mode: dict[str, object],
 ) -> None:
     """Whole-request selection: a part naming the disk tier reads every block from the
     disk, even those the CPU tier's memory holds; one naming the CPU tier borrows from
     its memory and never reads the disk, so a block only on disk fails."""
-    layout, buffer, canonical = caches
-    block_bytes = layout.groups[0].block_bytes
+    model_groups, buffer, canonical = caches
+    block_bytes = model_groups.groups[0].block_bytes
     cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
     disk = DiskTier(DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=16 << 20))
     store = TieredStore([cpu, disk])

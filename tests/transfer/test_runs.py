@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.layout import KVLayoutKind, canonicalize
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import BlockCopier
 from hybridkv.transfer.runs import LINE_BYTES, PREFETCH_BYTES, copy_runs
@@ -122,7 +122,7 @@ def test_copy_runs_joins_exactly_the_runs_that_continue_on_both_sides() -> None:
     assert dst[200:220].tolist() == [*range(50, 60), *range(99, 109)]
 
 
-def layout_of(pages: tuple[int, ...]) -> KVLayoutSpec:
+def layout_of(pages: tuple[int, ...]) -> ModelGroups:
     full = KVGroup(
         kind=GroupKind.FULL,
         block_size=16,
@@ -135,19 +135,19 @@ def layout_of(pages: tuple[int, ...]) -> KVLayoutSpec:
         page_size_bytes=pages[0],
         layer_names=tuple(f"m.{i}" for i in range(len(pages))),
     )
-    return KVLayoutSpec(groups=(full, mamba))
+    return ModelGroups(groups=(full, mamba))
 
 
 def caches(storage: str, num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
-    layout = layout_of((1056, 1056, 1056))
+    model_groups = layout_of((1056, 1056, 1056))
     gen = torch.Generator().manual_seed(seed)
     if storage == "separate":  # a tensor per layer
-        names = [n for g in layout.groups for n in g.layer_names]
+        names = [n for g in model_groups.groups for n in g.layer_names]
         return {
             n: torch.randint(-128, 128, (num_blocks, 1056), dtype=torch.int8, generator=gen)
             for n in names
         }
-    alloc = allocate_kv_caches(layout, num_blocks, kind=KVLayoutKind(storage))
+    alloc = allocate_kv_caches(model_groups, num_blocks, kind=KVLayoutKind(storage))
     alloc.buffer.copy_(
         torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8, generator=gen)
     )
@@ -156,17 +156,17 @@ def caches(storage: str, num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("storage", ["block_major", "layer_major", "separate"])
 def test_copier_moves_runs_of_adjacent_blocks_exactly(storage: str) -> None:
-    num_blocks, layout = 40, layout_of((1056, 1056, 1056))
+    num_blocks, model_groups = 40, layout_of((1056, 1056, 1056))
     rng = random.Random(storage)
     for trial in range(6):
         kv, ref = caches(storage, num_blocks, trial), caches(storage, num_blocks, trial)
-        copier = BlockCopier(canonicalize(kv, layout))
+        copier = BlockCopier(canonicalize(kv, model_groups))
         starts = rng.sample(range(0, num_blocks, 5), 4)  # runs of up to 5 adjacent blocks
         ids = [b for s in starts for b in range(s, s + rng.randint(1, 5))]
         if trial % 2:
             rng.shuffle(ids)
         group_id = trial % 2
-        names = layout.groups[group_id].layer_names
+        names = model_groups.groups[group_id].layer_names
         want = b"".join(kv[n][b].numpy().tobytes() for b in ids for n in names)
         out = np.zeros(len(want) + 1, np.uint8)[trial % 2 :][: len(want)]
         copier.gather(group_id, ids, out)
@@ -188,11 +188,11 @@ def test_rows_apart_hold_the_blocks_and_leave_the_room_between_them(storage: str
     """Rows ``row_stride`` apart (a tier's header room between them): gather writes each
     block where its row starts and not a byte of the room; scatter of a subset of rows
     reads only those rows."""
-    num_blocks, layout = 24, layout_of((1056, 1056, 1056))
+    num_blocks, model_groups = 24, layout_of((1056, 1056, 1056))
     rng = random.Random(f"stride-{storage}")
     kv = caches(storage, num_blocks, 3)
-    copier = BlockCopier(canonicalize(kv, layout))
-    group_id, names = 0, layout.groups[0].layer_names
+    copier = BlockCopier(canonicalize(kv, model_groups))
+    group_id, names = 0, model_groups.groups[0].layer_names
     block_bytes, stride = copier.block_bytes(group_id), copier.block_bytes(group_id) + 192
     ids = [3, 4, 5, 11, 0, 17]
     buf = np.full((len(ids) - 1) * stride + block_bytes, 0xA5, np.uint8)

@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.layout import KVLayoutKind, canonicalize
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
 from hybridkv.tiers.base import (
     Buffer,
     GetStatus,
@@ -171,7 +171,7 @@ def kv_group(kind: GroupKind, names: tuple[str, ...], page: int) -> KVGroup:
     return KVGroup(kind=kind, block_size=32, page_size_bytes=page, layer_names=names, **extra)
 
 
-ALL_KINDS = KVLayoutSpec(
+ALL_KINDS = ModelGroups(
     groups=(
         kv_group(GroupKind.FULL, ("f.0", "f.4"), 2048),
         kv_group(GroupKind.SLIDING_WINDOW, ("s.1", "s.5"), 2048),
@@ -179,13 +179,13 @@ ALL_KINDS = KVLayoutSpec(
         kv_group(GroupKind.MAMBA, ("m.3", "m.7"), 2048),
     )
 )
-UNEVEN = KVLayoutSpec(
+UNEVEN = ModelGroups(
     groups=(
         kv_group(GroupKind.FULL, ("f.0", "f.1", "f.2"), 1024),
         kv_group(GroupKind.MAMBA, ("m.3",), 1000),
     )
 )
-MIXED_PAGES = KVLayoutSpec(  # DeepSeek-V4-like: one block of group 0 is three page sizes
+MIXED_PAGES = ModelGroups(  # DeepSeek-V4-like: one block of group 0 is three page sizes
     groups=(
         KVGroup(
             kind=GroupKind.FULL,
@@ -208,10 +208,10 @@ MIXED_PAGES = KVLayoutSpec(  # DeepSeek-V4-like: one block of group 0 is three p
 NUM_BLOCKS = 24
 
 
-def shapes_for(layout: KVLayoutSpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def shapes_for(model_groups: ModelGroups) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Engine-like dtypes: bf16 attention pages, raw int8 Mamba state."""
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for g in layout.groups:
+    for g in model_groups.groups:
         for name, page in zip(g.layer_names, g.page_sizes_bytes, strict=True):
             if g.kind is GroupKind.MAMBA:
                 shapes[name] = ((1, 1, page), torch.int8)
@@ -220,14 +220,14 @@ def shapes_for(layout: KVLayoutSpec) -> dict[str, tuple[tuple[int, ...], torch.d
     return shapes
 
 
-def allocate(layout: KVLayoutSpec, kind: KVLayoutKind) -> AllocatedKVCaches:
-    return allocate_kv_caches(layout, NUM_BLOCKS, kind=kind, shapes=shapes_for(layout))
+def allocate(model_groups: ModelGroups, kind: KVLayoutKind) -> AllocatedKVCaches:
+    return allocate_kv_caches(model_groups, NUM_BLOCKS, kind=kind, shapes=shapes_for(model_groups))
 
 
-def separate_tensors(layout: KVLayoutSpec) -> dict[str, torch.Tensor]:
+def separate_tensors(model_groups: ModelGroups) -> dict[str, torch.Tensor]:
     """One tensor per layer, as an engine without a shared pool registers them."""
     kv = {}
-    for name, (shape, dtype) in shapes_for(layout).items():
+    for name, (shape, dtype) in shapes_for(model_groups).items():
         kv[name] = torch.zeros((NUM_BLOCKS, *shape), dtype=dtype)
     return kv
 
@@ -239,11 +239,11 @@ def fill_random(kv: dict[str, torch.Tensor], seed: int) -> None:
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
 
 
-def pool_block_ids(layout: KVLayoutSpec, seed: int, per_group: int) -> list[list[int]]:
+def pool_block_ids(model_groups: ModelGroups, seed: int, per_group: int) -> list[list[int]]:
     """Disjoint block ids per group, drawn from one pool like an engine's allocator."""
     pool = list(range(NUM_BLOCKS))
     random.Random(seed).shuffle(pool)
-    return [pool[g * per_group : (g + 1) * per_group] for g in range(layout.num_groups)]
+    return [pool[g * per_group : (g + 1) * per_group] for g in range(model_groups.num_groups)]
 
 
 def keys_for(group_id: int, block_ids: Sequence[int], tag: str = "") -> list[StoreKey]:
@@ -255,12 +255,12 @@ def parts_for(ids: list[list[int]], tag: str = "") -> list[TransferPart]:
 
 
 def snapshot(
-    kv: dict[str, torch.Tensor], layout: KVLayoutSpec, ids: list[list[int]]
+    kv: dict[str, torch.Tensor], model_groups: ModelGroups, ids: list[list[int]]
 ) -> dict[tuple[str, int], torch.Tensor]:
     return {
         (name, b): kv[name][b].clone()
         for g, group_ids in enumerate(ids)
-        for name in layout.groups[g].layer_names
+        for name in model_groups.groups[g].layer_names
         for b in group_ids
     }
 
@@ -313,10 +313,10 @@ def tier() -> Iterator[MemoryTier]:
 
 
 def make_engine(
-    kv_caches: dict[str, torch.Tensor], layout: KVLayoutSpec, tier: Tier, **cfg: object
+    kv_caches: dict[str, torch.Tensor], model_groups: ModelGroups, tier: Tier, **cfg: object
 ) -> TransferEngine:
     config = TransferConfig(**{"staging_bytes": 1 << 20, **cfg})  # type: ignore[arg-type]
-    return TransferEngine(canonicalize(kv_caches, layout), tier, config)
+    return TransferEngine(canonicalize(kv_caches, model_groups), tier, config)
 
 
 # ---------------------------------------------------------------- round trips
@@ -324,24 +324,24 @@ def make_engine(
 STORAGES = ["block_major", "layer_major", "separate"]
 
 
-def build(layout: KVLayoutSpec, storage: str) -> dict[str, torch.Tensor]:
+def build(model_groups: ModelGroups, storage: str) -> dict[str, torch.Tensor]:
     if storage == "separate":
-        return separate_tensors(layout)
-    return allocate(layout, KVLayoutKind(storage)).kv_caches
+        return separate_tensors(model_groups)
+    return allocate(model_groups, KVLayoutKind(storage)).kv_caches
 
 
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize(
-    "layout", [ALL_KINDS, UNEVEN, MIXED_PAGES], ids=["all_kinds", "uneven", "mixed_pages"]
+    "model_groups", [ALL_KINDS, UNEVEN, MIXED_PAGES], ids=["all_kinds", "uneven", "mixed_pages"]
 )
 def test_store_wipe_load_restores_every_group(
-    tier: MemoryTier, layout: KVLayoutSpec, storage: str
+    tier: MemoryTier, model_groups: ModelGroups, storage: str
 ) -> None:
-    kv = build(layout, storage)
+    kv = build(model_groups, storage)
     fill_random(kv, seed=1)
-    ids = pool_block_ids(layout, seed=2, per_group=5)
-    saved = snapshot(kv, layout, ids)
-    with make_engine(kv, layout, tier) as engine:
+    ids = pool_block_ids(model_groups, seed=2, per_group=5)
+    saved = snapshot(kv, model_groups, ids)
+    with make_engine(kv, model_groups, tier) as engine:
         stored = run_job(engine, engine.submit_store(parts_for(ids)))
         assert stored.ok and stored.kind is JobKind.STORE
         assert stored.ok_block_ids == {g: tuple(b) for g, b in enumerate(ids)}
@@ -351,28 +351,31 @@ def test_store_wipe_load_restores_every_group(
         for (name, b), want in saved.items():
             assert same_bytes(kv[name][b], want), (name, b)
         stats = engine.stats()
-        assert stats.ok_blocks == {"store": 5 * layout.num_groups, "load": 5 * layout.num_groups}
-        assert stats.bytes["load"] == sum(5 * g.block_bytes for g in layout.groups)
+        assert stats.ok_blocks == {
+            "store": 5 * model_groups.num_groups,
+            "load": 5 * model_groups.num_groups,
+        }
+        assert stats.bytes["load"] == sum(5 * g.block_bytes for g in model_groups.groups)
         assert_idle(engine, tier)
 
 
-@pytest.mark.parametrize("layout", [ALL_KINDS, MIXED_PAGES], ids=["all_kinds", "mixed_pages"])
+@pytest.mark.parametrize("model_groups", [ALL_KINDS, MIXED_PAGES], ids=["all_kinds", "mixed_pages"])
 @pytest.mark.parametrize("source", STORAGES)
 @pytest.mark.parametrize("target", STORAGES)
 def test_objects_load_into_another_storage_layout(
-    tier: MemoryTier, source: str, target: str, layout: KVLayoutSpec
+    tier: MemoryTier, source: str, target: str, model_groups: ModelGroups
 ) -> None:
-    src, dst = build(layout, source), build(layout, target)
+    src, dst = build(model_groups, source), build(model_groups, target)
     fill_random(src, seed=3)
-    ids = pool_block_ids(layout, seed=4, per_group=4)
-    with make_engine(src, layout, tier) as store_engine:
+    ids = pool_block_ids(model_groups, seed=4, per_group=4)
+    with make_engine(src, model_groups, tier) as store_engine:
         assert run_job(store_engine, store_engine.submit_store(parts_for(ids))).ok
         assert_idle(store_engine, tier)
-    with make_engine(dst, layout, tier) as load_engine:
+    with make_engine(dst, model_groups, tier) as load_engine:
         assert run_job(load_engine, load_engine.submit_load(parts_for(ids))).ok
         assert_idle(load_engine, tier)
     for g, group_ids in enumerate(ids):
-        for name in layout.groups[g].layer_names:
+        for name in model_groups.groups[g].layer_names:
             for b in group_ids:
                 assert same_bytes(dst[name][b], src[name][b]), (name, b)
 
@@ -391,11 +394,11 @@ def test_round_trip_through_real_vllm_kv_caches(
 ) -> None:
     """vLLM's own allocator: groups overlay one buffer, Mamba pages padded."""
     kv, attn_page, _ = vllm_allocate(layout_name)
-    layout = qwen_next_like(attn_page, attn_page)
+    model_groups = qwen_next_like(attn_page, attn_page)
     fill_random(kv, seed=21)
-    ids = pool_block_ids(layout, seed=22, per_group=4)
-    saved = snapshot(kv, layout, ids)
-    with make_engine(kv, layout, tier) as engine:
+    ids = pool_block_ids(model_groups, seed=22, per_group=4)
+    saved = snapshot(kv, model_groups, ids)
+    with make_engine(kv, model_groups, tier) as engine:
         expected = 1 if layout_name == "BLHNC" else 2
         assert [engine.copier.copies_per_block(g) for g in range(3)] == [expected] * 3
         assert_store_wipe_load_restores(engine, kv, ids, saved)
@@ -427,12 +430,12 @@ def test_store_gathers_before_returning(tier: MemoryTier) -> None:
 def test_corrupt_missing_and_failing_blocks_are_reported_and_never_scattered(
     tier: MemoryTier,
 ) -> None:
-    layout = ALL_KINDS
-    kv = build(layout, "layer_major")
+    model_groups = ALL_KINDS
+    kv = build(model_groups, "layer_major")
     fill_random(kv, seed=8)
-    ids = pool_block_ids(layout, seed=9, per_group=4)
-    saved = snapshot(kv, layout, ids)
-    with make_engine(kv, layout, tier) as engine:
+    ids = pool_block_ids(model_groups, seed=9, per_group=4)
+    saved = snapshot(kv, model_groups, ids)
+    with make_engine(kv, model_groups, tier) as engine:
         assert run_job(engine, engine.submit_store(parts_for(ids))).ok
         bad = {0: {ids[0][1]}, 1: {ids[1][0], ids[1][3]}, 2: {ids[2][2]}, 3: {ids[3][0]}}
         tier.corrupt(keys_for(0, [ids[0][1]])[0])
@@ -446,7 +449,7 @@ def test_corrupt_missing_and_failing_blocks_are_reported_and_never_scattered(
         assert result.num_failed == 5 and not result.ok
         assert result.detail == "3 corrupt, 1 error, 1 miss" and result.outcome is JobOutcome.FAILED
         for (name, b), want in saved.items():
-            owner = layout.group_of_layer(name)
+            owner = model_groups.group_of_layer(name)
             if b in bad[owner]:
                 assert bool((kv[name][b].view(torch.uint8) == 0x5A).all()), (name, b)
             else:
@@ -499,10 +502,10 @@ def test_a_tier_answering_the_wrong_number_of_statuses_fails_the_job() -> None:
 
 
 def test_backpressure_returns_none_and_recovers(tier: MemoryTier) -> None:
-    layout = ALL_KINDS
-    kv = build(layout, "block_major")
-    block_bytes = layout.groups[0].block_bytes  # 4096
-    with make_engine(kv, layout, tier, staging_bytes=5 * block_bytes) as engine:
+    model_groups = ALL_KINDS
+    kv = build(model_groups, "block_major")
+    block_bytes = model_groups.groups[0].block_bytes  # 4096
+    with make_engine(kv, model_groups, tier, staging_bytes=5 * block_bytes) as engine:
         tier.gate.clear()
         jobs = []
         for b in range(NUM_BLOCKS):
@@ -523,11 +526,11 @@ def test_backpressure_returns_none_and_recovers(tier: MemoryTier) -> None:
 
 
 def test_load_past_its_timeout_fails_and_its_late_bytes_are_dropped(tier: MemoryTier) -> None:
-    layout = ALL_KINDS
-    kv = build(layout, "block_major")
+    model_groups = ALL_KINDS
+    kv = build(model_groups, "block_major")
     fill_random(kv, seed=11)
-    ids = pool_block_ids(layout, seed=12, per_group=3)
-    with make_engine(kv, layout, tier) as engine:
+    ids = pool_block_ids(model_groups, seed=12, per_group=3)
+    with make_engine(kv, model_groups, tier) as engine:
         assert run_job(engine, engine.submit_store(parts_for(ids))).ok
         wipe(kv)
         tier.gate.clear()
@@ -547,11 +550,11 @@ def test_load_past_its_timeout_fails_and_its_late_bytes_are_dropped(tier: Memory
 
 
 def test_cancel_queued_and_running_jobs(tier: MemoryTier) -> None:
-    layout = ALL_KINDS
-    kv = build(layout, "layer_major")
+    model_groups = ALL_KINDS
+    kv = build(model_groups, "layer_major")
     fill_random(kv, seed=13)
-    ids = pool_block_ids(layout, seed=14, per_group=2)
-    with make_engine(kv, layout, tier) as engine:
+    ids = pool_block_ids(model_groups, seed=14, per_group=2)
+    with make_engine(kv, model_groups, tier) as engine:
         assert run_job(engine, engine.submit_store(parts_for(ids))).ok
         wipe(kv)
         tier.gate.clear()
@@ -648,18 +651,18 @@ def test_invalid_parts_name_every_problem(tier: MemoryTier) -> None:
 
 def test_many_concurrent_jobs_account_for_every_block(tier: MemoryTier) -> None:
     """Random mixed stores and loads on two workers: one result per job, data intact."""
-    layout = UNEVEN
-    kv = build(layout, "layer_major")
+    model_groups = UNEVEN
+    kv = build(model_groups, "layer_major")
     rng = random.Random(15)
     fill_random(kv, seed=16)
-    ids = pool_block_ids(layout, seed=17, per_group=10)
-    saved = snapshot(kv, layout, ids)
+    ids = pool_block_ids(model_groups, seed=17, per_group=10)
+    saved = snapshot(kv, model_groups, ids)
     stored: set[tuple[int, int]] = set()
     submitted: dict[JobId, TransferPart] = {}
     results: list[JobResult] = []
-    with make_engine(kv, layout, tier, staging_bytes=32 << 10, num_workers=2) as engine:
+    with make_engine(kv, model_groups, tier, staging_bytes=32 << 10, num_workers=2) as engine:
         for step in range(300):
-            g = rng.randrange(layout.num_groups)
+            g = rng.randrange(model_groups.num_groups)
             blocks = rng.sample(ids[g], rng.randint(1, 4))
             part = TransferPart(g, blocks, keys_for(g, blocks))
             is_store = step < 20 or rng.random() < 0.5
@@ -684,14 +687,14 @@ def test_many_concurrent_jobs_account_for_every_block(tier: MemoryTier) -> None:
                 assert r.ok
         assert engine.stats().backpressured > 0  # the bound was exercised
         wipe(kv)
-        for g in range(layout.num_groups):
+        for g in range(model_groups.num_groups):
             blocks = [b for b in ids[g] if (g, b) in stored]
             for i in range(0, len(blocks), 4):  # jobs that fit the small staging arena
                 chunk = blocks[i : i + 4]
                 load = TransferPart(g, chunk, keys_for(g, chunk))
                 assert run_job(engine, engine.submit_load([load])).ok
         for (name, b), want in saved.items():
-            if (layout.group_of_layer(name), b) in stored:
+            if (model_groups.group_of_layer(name), b) in stored:
                 assert same_bytes(kv[name][b], want)
         assert_idle(engine, tier)
 
@@ -701,8 +704,8 @@ def test_many_concurrent_jobs_account_for_every_block(tier: MemoryTier) -> None:
 
 @pytest.mark.parametrize("storage", ["block_major", "layer_major"])
 def test_copier_moves_one_span_per_block_major_block(storage: str) -> None:
-    layout = ALL_KINDS
-    alloc = allocate(layout, KVLayoutKind(storage))
+    model_groups = ALL_KINDS
+    alloc = allocate(model_groups, KVLayoutKind(storage))
     copier = BlockCopier(alloc.canonical)
     expected = 1 if storage == "block_major" else 2
     assert [copier.copies_per_block(g) for g in range(4)] == [expected] * 4
@@ -712,13 +715,13 @@ def test_copier_moves_one_span_per_block_major_block(storage: str) -> None:
     want = b"".join(
         alloc.kv_caches[name][b].contiguous().view(torch.uint8).numpy().tobytes()
         for b in (5, 0, 9)
-        for name in layout.groups[3].layer_names
+        for name in model_groups.groups[3].layer_names
     )
     assert out.tobytes() == want
 
 
 class CopierCase(NamedTuple):
-    layout: KVLayoutSpec
+    model_groups: ModelGroups
     kv_caches: dict[str, torch.Tensor]
     pages: dict[str, torch.Tensor]
     """Per layer: ``(num_blocks, page_bytes)`` int8 view of each block's page."""
@@ -727,7 +730,7 @@ class CopierCase(NamedTuple):
 
 
 PAGE = 512
-ONE_GROUP = KVLayoutSpec(groups=(kv_group(GroupKind.FULL, ("a.0", "a.1"), PAGE),))
+ONE_GROUP = ModelGroups(groups=(kv_group(GroupKind.FULL, ("a.0", "a.1"), PAGE),))
 
 
 def random_bytes(nbytes: int, seed: int) -> torch.Tensor:
@@ -735,10 +738,10 @@ def random_bytes(nbytes: int, seed: int) -> torch.Tensor:
     return torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=gen)
 
 
-def allocated_case(layout: KVLayoutSpec, kind: KVLayoutKind, seed: int) -> CopierCase:
-    alloc = allocate_kv_caches(layout, NUM_BLOCKS, kind=kind)
+def allocated_case(model_groups: ModelGroups, kind: KVLayoutKind, seed: int) -> CopierCase:
+    alloc = allocate_kv_caches(model_groups, NUM_BLOCKS, kind=kind)
     alloc.buffer.copy_(random_bytes(alloc.buffer.numel(), seed))
-    return CopierCase(layout, alloc.kv_caches, alloc.kv_caches, [alloc.buffer])
+    return CopierCase(model_groups, alloc.kv_caches, alloc.kv_caches, [alloc.buffer])
 
 
 def placed_case(places: dict[str, tuple[int, int]], nbytes: int, seed: int) -> CopierCase:
@@ -753,13 +756,13 @@ def placed_case(places: dict[str, tuple[int, int]], nbytes: int, seed: int) -> C
 
 def copier_case(name: str, seed: int) -> CopierCase:
     n = NUM_BLOCKS
-    mixed = KVLayoutSpec(
+    mixed = ModelGroups(
         groups=(
             kv_group(GroupKind.FULL, ("a.0", "a.1"), 2048),
             kv_group(GroupKind.MAMBA, ("m.0",), 4096),
         )
     )
-    uneven_blocks = KVLayoutSpec(
+    uneven_blocks = ModelGroups(
         groups=(
             kv_group(GroupKind.FULL, ("a.0",), 3000),
             kv_group(GroupKind.MAMBA, ("m.1", "m.2", "m.3"), 900),
@@ -805,7 +808,7 @@ def reference_scatter(
     case: CopierCase, group_id: int, ids: Sequence[int], rows: np.ndarray
 ) -> None:
     """Write rows layer by layer through the per-layer views: the general path's order."""
-    g = case.layout.groups[group_id]
+    g = case.model_groups.groups[group_id]
     page = g.page_size_bytes
     for i, name in enumerate(g.layer_names):
         for block_id, row in zip(ids, rows, strict=True):
@@ -818,12 +821,12 @@ def reference_scatter(
 def test_copier_paths_move_exactly_the_bytes_of_the_layer_views(name: str, chunked: bool) -> None:
     """Both paths: the native CPU one, and the chunked one CUDA takes (run here on CPU
     tensors, with a chunk of three blocks, so calls move several pieces)."""
-    layout = copier_case(name, seed=5).layout
+    model_groups = copier_case(name, seed=5).model_groups
     rng = random.Random(name)
-    chunk_bytes = 3 * max(g.block_bytes for g in layout.groups)
-    for group_id, g in enumerate(layout.groups):
+    chunk_bytes = 3 * max(g.block_bytes for g in model_groups.groups)
+    for group_id, g in enumerate(model_groups.groups):
         case, expected = copier_case(name, seed=5), copier_case(name, seed=5)
-        canonical = canonicalize(case.kv_caches, case.layout)
+        canonical = canonicalize(case.kv_caches, case.model_groups)
         copier = BlockCopier(canonical, chunked=chunked, chunk_bytes=chunk_bytes)
         if not chunked:
             assert copier.copies_block_by_block(group_id) == COPIER_CASES[name][group_id]
@@ -860,7 +863,7 @@ def test_copier_paths_move_exactly_the_bytes_of_the_layer_views(name: str, chunk
 @pytest.mark.parametrize("name", ["layer_major", "separate"])
 def test_copier_refuses_block_ids_outside_the_cache(name: str) -> None:
     case = copier_case(name, seed=6)
-    copier = BlockCopier(canonicalize(case.kv_caches, case.layout))
+    copier = BlockCopier(canonicalize(case.kv_caches, case.model_groups))
     before = [t.clone() for t in case.backing]
     rows = np.ones(2 * ALL_KINDS.groups[0].block_bytes, np.uint8)
     for ids in ([1, -1], [NUM_BLOCKS, 0]):
@@ -922,12 +925,12 @@ def test_staging_arena_starts_at_the_asked_phase_of_a_page(phase: int) -> None:
 def test_staging_shares_the_caches_phase_and_still_round_trips(
     tier: MemoryTier, storage: str
 ) -> None:
-    layout = ALL_KINDS
-    kv = build(layout, storage)
+    model_groups = ALL_KINDS
+    kv = build(model_groups, storage)
     fill_random(kv, seed=5)
-    ids = pool_block_ids(layout, seed=6, per_group=3)
-    saved = snapshot(kv, layout, ids)
-    with make_engine(kv, layout, tier) as engine:
+    ids = pool_block_ids(model_groups, seed=6, per_group=3)
+    saved = snapshot(kv, model_groups, ids)
+    with make_engine(kv, model_groups, tier) as engine:
         phase = engine.caches.tensors[0].data_ptr() % PHASE_BYTES
         assert engine.arena.array.ctypes.data % PHASE_BYTES == phase // 8 * 8
         assert_store_wipe_load_restores(engine, kv, ids, saved)
@@ -1009,17 +1012,17 @@ class FramingTier(MemoryTier):
 
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize(
-    "layout", [ALL_KINDS, UNEVEN, MIXED_PAGES], ids=["all_kinds", "uneven", "mixed_pages"]
+    "model_groups", [ALL_KINDS, UNEVEN, MIXED_PAGES], ids=["all_kinds", "uneven", "mixed_pages"]
 )
 def test_headers_framed_in_place_never_clobber_neighbouring_blocks(
-    layout: KVLayoutSpec, storage: str
+    model_groups: ModelGroups, storage: str
 ) -> None:
     tier = FramingTier()
-    kv = build(layout, storage)
+    kv = build(model_groups, storage)
     fill_random(kv, seed=5)
-    ids = pool_block_ids(layout, seed=6, per_group=5)
-    saved = snapshot(kv, layout, ids)
-    with make_engine(kv, layout, tier) as engine:
+    ids = pool_block_ids(model_groups, seed=6, per_group=5)
+    saved = snapshot(kv, model_groups, ids)
+    with make_engine(kv, model_groups, tier) as engine:
         assert engine.placement.room_bytes >= HEADER_BYTES
         assert_store_wipe_load_restores(engine, kv, ids, saved)
         engine.check_integrity()

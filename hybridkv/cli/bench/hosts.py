@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hybridkv.cli.bench import counters, say
 from hybridkv.cli.bench.models import build_model, engine_kwargs_for
-from hybridkv.cli.bench.offline import EngineFailed, EngineSpec, OfflineEngine
+from hybridkv.cli.bench.offline import EngineFailed, EngineLaunch, OfflineEngine
 from hybridkv.cli.bench.progress import Bars
 from hybridkv.cli.bench.report import Phase, compare_outputs, mark_reusable, summarize, summary_rows
 from hybridkv.cli.bench.run import BenchContext, replay_across, run_setup
@@ -115,14 +115,14 @@ def _start(ctx: BenchContext, network: Network, pool: LocalPool, host: str) -> O
     tiers = [cpu, *(t for t in network.tier_configs(pool, host) if t["kind"] == "mooncake")]
     log_path: Path = ctx.work_dir / f"hosts-engine-{host}.log"
     log_path.unlink(missing_ok=True)
-    spec = EngineSpec(
+    launch = EngineLaunch(
         engine_kwargs=ctx.engine_kwargs,
         transfer=transfer_config(Setup.MOONCAKE, tiers, ctx.work_dir),
         log_path=log_path,
         env={"MC_TCP_BIND_ADDRESS": address},
     )
     with network.entered(host):
-        engine = OfflineEngine(spec)
+        engine = OfflineEngine(launch)
     label = f"engine on host {host} ({address})"
     begin = time.perf_counter()
     try:

@@ -28,7 +28,9 @@ STOP_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineSpec:
+class EngineLaunch:
+    """How to start one engine process: its arguments, connector, log and environment."""
+
     engine_kwargs: dict[str, Any]
     """``vllm.LLM`` keyword arguments (no ``kv_transfer_config``)."""
     transfer: dict[str, Any] | None
@@ -44,12 +46,12 @@ class EngineFailed(RuntimeError):
 class OfflineEngine:
     """A handle on one engine process."""
 
-    def __init__(self, spec: EngineSpec) -> None:
-        self.spec = spec
+    def __init__(self, launch: EngineLaunch) -> None:
+        self.launch = launch
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=_engine_main, args=(spec, child), name="hybridkv-bench-engine"
+            target=_engine_main, args=(launch, child), name="hybridkv-bench-engine"
         )
         self._process.start()
         child.close()
@@ -120,23 +122,23 @@ class OfflineEngine:
 
     def _log_tail(self, lines: int = 25) -> str:
         try:
-            text = self.spec.log_path.read_text(errors="replace").splitlines()
+            text = self.launch.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            return f"(no log at {self.spec.log_path})"
-        return f"last lines of {self.spec.log_path}:\n" + "\n".join(text[-lines:])
+            return f"(no log at {self.launch.log_path})"
+        return f"last lines of {self.launch.log_path}:\n" + "\n".join(text[-lines:])
 
 
 # -- the engine process ------------------------------------------------------------------
 
 
-def _engine_main(spec: EngineSpec, conn: Any) -> None:
-    os.environ.update(spec.env)
+def _engine_main(launch: EngineLaunch, conn: Any) -> None:
+    os.environ.update(launch.env)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    log_fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log_fd = os.open(launch.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     try:
-        llm = _make_llm(spec)
+        llm = _make_llm(launch)
         _warm_up(llm)
         conn.send(("ready", engine_facts(llm)))
         while True:
@@ -160,13 +162,13 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
         conn.close()
 
 
-def _make_llm(spec: EngineSpec) -> Any:
+def _make_llm(launch: EngineLaunch) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kwargs = dict(spec.engine_kwargs, disable_log_stats=False)
-    if spec.transfer is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(**spec.transfer)
+    kwargs = dict(launch.engine_kwargs, disable_log_stats=False)
+    if launch.transfer is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**launch.transfer)
     return LLM(**kwargs)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hybridkv.cli.bench import counters
-from hybridkv.cli.bench.offline import EngineSpec, OfflineEngine
+from hybridkv.cli.bench.offline import EngineLaunch, OfflineEngine
 from hybridkv.cli.bench.replay import Record
 from hybridkv.cli.bench.report import Phase
 from hybridkv.cli.bench.server import ServerEngine
@@ -117,14 +117,14 @@ class _SetupRunner:
         log_path = self.ctx.work_dir / f"{self.setup.value}-engine{self._started}.log"
         self._started += 1
         log_path.unlink(missing_ok=True)
-        spec = EngineSpec(
+        launch = EngineLaunch(
             engine_kwargs=self.ctx.engine_kwargs,
             transfer=self.transfer,
             log_path=log_path,
             env={"MC_TCP_BIND_ADDRESS": "127.0.0.1"},
         )
         begin = time.perf_counter()
-        engine: Engine = ServerEngine(spec) if self.ctx.server else OfflineEngine(spec)
+        engine: Engine = ServerEngine(launch) if self.ctx.server else OfflineEngine(launch)
         try:
             facts = engine.wait_ready(self.ctx.progress.starting(label))
         except BaseException:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridkv.cli.bench import counters
-from hybridkv.cli.bench.offline import EngineFailed, EngineSpec
+from hybridkv.cli.bench.offline import EngineFailed, EngineLaunch
 from hybridkv.cli.bench.replay import TOP_LOGPROBS, ClientRun, Record, make_record
 from hybridkv.cli.bench.workloads import Client
 from hybridkv.tools.servers import HOST, free_port, http_ok
@@ -55,14 +55,14 @@ def server_argv(
 
 
 class ServerEngine:
-    def __init__(self, spec: EngineSpec) -> None:
-        self.spec = spec
+    def __init__(self, launch: EngineLaunch) -> None:
+        self.launch = launch
         self.port = free_port()
-        env = dict(os.environ, **spec.env, VLLM_SERVER_DEV_MODE="1")
+        env = dict(os.environ, **launch.env, VLLM_SERVER_DEV_MODE="1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        self._log = spec.log_path.open("a")
+        self._log = launch.log_path.open("a")
         self._proc = subprocess.Popen(
-            server_argv(spec.engine_kwargs, self.port, spec.transfer),
+            server_argv(launch.engine_kwargs, self.port, launch.transfer),
             env=env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -123,8 +123,8 @@ class ServerEngine:
         return {}
 
     def _tail(self, lines: int = 25) -> str:
-        text = self.spec.log_path.read_text(errors="replace").splitlines()
-        return f"last lines of {self.spec.log_path}:\n" + "\n".join(text[-lines:])
+        text = self.launch.log_path.read_text(errors="replace").splitlines()
+        return f"last lines of {self.launch.log_path}:\n" + "\n".join(text[-lines:])
 
     async def _replay(
         self, clients: Sequence[tuple[int, Client]], phase: str, on_done: Callable[[], None]

@@ -29,6 +29,7 @@ from hybridkv.connector.metrics import Sample, scheduler_samples, worker_samples
 from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.setup import build_scheduler, build_worker
 from hybridkv.connector.worker import ConnectorWorker
+from hybridkv.groups import GroupKind
 from hybridkv.integrations.vllm.facts import engine_facts
 from hybridkv.integrations.vllm.metrics import (
     CounterDeltas,
@@ -45,7 +46,6 @@ from hybridkv.integrations.vllm.plumbing import (
     tensor_parallel_rank,
     worker_connector_in_process,
 )
-from hybridkv.spec import GroupKind
 from hybridkv.tiers.base import Tier, TierMedium
 from hybridkv.tiers.tiered.store import TieredStore
 
@@ -92,7 +92,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.facts = engine_facts(
             vllm_config, kv_cache_config, self.config.model_id, str(transfer_config.engine_id)
         )
-        groups = self.facts.layout.groups
+        groups = self.facts.model_groups.groups
         self._block_level_errors = len(groups) == 1 and groups[0].kind is GroupKind.FULL
         self._deltas = CounterDeltas()
         self._scheduler: ConnectorScheduler | None = None
@@ -114,11 +114,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             # A cache that cannot load a block costs a recompute, never a failed request.
             logger.info("hybridkv sets kv_load_failure_policy='recompute' (it is a cache)")
             transfer_config.kv_load_failure_policy = "recompute"
-        layout = self.facts.layout
+        model_groups = self.facts.model_groups
         logger.info(
             "hybridkv scheduler: %d KV groups %s, hits aligned to %d tokens%s, tiers %s",
-            layout.num_groups,
-            [f"{g.kind.value}/{g.block_size}" for g in layout.groups],
+            model_groups.num_groups,
+            [f"{g.kind.value}/{g.block_size}" for g in model_groups.groups],
             self._scheduler.alignment_tokens,
             ", EAGLE drafting" if self.facts.use_eagle else "",
             [c.kind for c in self.config.tier_configs],
@@ -246,7 +246,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is not None:
             worker = self._worker
             tiers = worker.store.stats_by_tier()
-            samples += worker_samples(worker.stats, self.facts.layout, tiers)
+            samples += worker_samples(worker.stats, self.facts.model_groups, tiers)
         return samples
 
     def counters(self) -> dict[str, float]:

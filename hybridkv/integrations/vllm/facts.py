@@ -1,7 +1,7 @@
 """What the connector needs to know about a vLLM 0.32 engine, read once from its config.
 
 vLLM's scheduler and worker processes. Turns vLLM's ``KVCacheConfig`` into a
-``KVLayoutSpec`` (refusing, in one error, every group we cannot serve
+``ModelGroups`` (refusing, in one error, every group we cannot serve
 correctly) and the engine's choices (hit alignment, tensor parallelism,
 EAGLE-style drafting) into ``EngineFacts``. Values the engine picks (block
 sizes vary by CPU) are always read from the engine, never assumed.
@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hybridkv.connector.setup import EngineFacts
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
     pcp = getattr(parallel, "prefill_context_parallel_size", 1)
     dcp = getattr(parallel, "decode_context_parallel_size", 1)
     if pcp * dcp > 1:
-        # Multi-group layouts cannot work with it; one group would need hits aligned to
+        # Several groups cannot work with it; one group would need hits aligned to
         # block_size * dcp, which this connector does not do yet.
         problems.append(
             f"prefill/decode context parallel (pcp={pcp}, dcp={dcp}) is not supported "
@@ -151,8 +151,8 @@ def page_size_bytes(spec: Any) -> int:
     return int(real if isinstance(real, int) and real > 0 else spec.page_size_bytes)
 
 
-def layout_from_config(kv_cache_config: Any, model_id: str) -> KVLayoutSpec:
-    """vLLM's groups as a ``KVLayoutSpec`` (call ``check_engine`` first).
+def groups_from_config(kv_cache_config: Any, model_id: str) -> ModelGroups:
+    """vLLM's groups as a ``ModelGroups`` (call ``check_engine`` first).
 
     A ``UniformTypeKVCacheSpecs`` group (DeepSeek-V4: compressed MLA + indexer
     caches, compressor states) keeps each layer's real page, in ``layer_names``
@@ -178,7 +178,7 @@ def layout_from_config(kv_cache_config: Any, model_id: str) -> KVLayoutSpec:
             )
         )
     hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or 0
-    return KVLayoutSpec(groups=tuple(groups), hash_block_size=hash_block_size, model_id=model_id)
+    return ModelGroups(groups=tuple(groups), hash_block_size=hash_block_size, model_id=model_id)
 
 
 def default_model_id(vllm_config: Any) -> str:
@@ -193,8 +193,8 @@ def model_namespace(model_id: str, vllm_config: Any, kv_cache_config: Any) -> st
     dtype = vllm_config.cache_config.cache_dtype
     if dtype == "auto":
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-    layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
-    in_page = layout[-3:] if len(layout) == 5 else layout
+    model_groups = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
+    in_page = model_groups[-3:] if len(model_groups) == 5 else model_groups
     return f"{model_id}|{dtype}|{in_page}"
 
 
@@ -203,12 +203,12 @@ def engine_facts(
 ) -> EngineFacts:
     check_engine(vllm_config, kv_cache_config)
     name = model_namespace(model_id or default_model_id(vllm_config), vllm_config, kv_cache_config)
-    layout = layout_from_config(kv_cache_config, name)
+    model_groups = groups_from_config(kv_cache_config, name)
     alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
     use_eagle, eagle_groups = eagle_drafting(vllm_config, kv_cache_config)
     return EngineFacts(
-        layout=layout,
-        alignment_tokens=int(alignment or layout.scheduler_block_size),
+        model_groups=model_groups,
+        alignment_tokens=int(alignment or model_groups.scheduler_block_size),
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         use_eagle=use_eagle,
         eagle_group_ids=eagle_groups,

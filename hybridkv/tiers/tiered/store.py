@@ -73,6 +73,7 @@ class TieredStore(Tier):
             raise ValueError(f"write_back_bytes={write_back_bytes}: must be > 0")
         self.name = name
         self.tiers = tuple(tiers)
+        self.num_tiers = len(self.tiers)
         self.tier_names = _unique_names(self.tiers)
         self.selection = selection
         self.promote = promote
@@ -123,6 +124,11 @@ class TieredStore(Tier):
         return self._batch(index, "contains", False, self.tiers[index].contains_many, keys)
 
     # Data path ---------------------------------------------------------------
+
+    def get_many_from(
+        self, tier_index: int, keys: Sequence[StoreKey], buffers: Sequence[Buffer]
+    ) -> list[GetStatus]:
+        return self.get_many_into(keys, buffers, tier_index=tier_index)
 
     def get_many_into(
         self, keys: Sequence[StoreKey], buffers: Sequence[Buffer], *, tier_index: int | None = None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.spec import GroupKind
+from hybridkv.groups import GroupKind
 
 MARKER = "hybridkv-model.json"
 VOCAB_SIZE = 512

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.spec import GroupKind
+from hybridkv.groups import GroupKind
 from hybridkv.tools.models.build import (
     SPECIAL_TOKEN_IDS,
     GroupShape,

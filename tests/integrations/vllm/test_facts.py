@@ -21,8 +21,8 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from hybridkv.integrations.vllm.facts import check_engine, eagle_drafting, layout_from_config
-from hybridkv.spec import GroupKind
+from hybridkv.groups import GroupKind
+from hybridkv.integrations.vllm.facts import check_engine, eagle_drafting, groups_from_config
 
 GDN_SHAPES = ((3, 384), (1, 128, 128))
 
@@ -56,20 +56,20 @@ def engine_config(**parallel: int) -> VllmConfig:
     )
 
 
-def test_gemma_and_qwen_like_groups_become_our_layout() -> None:
+def test_gemma_and_qwen_like_groups_become_ours() -> None:
     gemma = kv_config(attention(SlidingWindowSpec, sliding_window=32), attention(FullAttentionSpec))
     check_engine(engine_config(), gemma)
-    layout = layout_from_config(gemma, "m")
-    assert [g.kind for g in layout.groups] == [GroupKind.SLIDING_WINDOW, GroupKind.FULL]
-    assert layout.groups[0].sliding_window == 32
-    assert layout.groups[0].page_size_bytes == 32 * 2 * 32 * 4
-    assert layout.groups[1].layer_names == ("model.layers.1.attn",)
+    model_groups = groups_from_config(gemma, "m")
+    assert [g.kind for g in model_groups.groups] == [GroupKind.SLIDING_WINDOW, GroupKind.FULL]
+    assert model_groups.groups[0].sliding_window == 32
+    assert model_groups.groups[0].page_size_bytes == 32 * 2 * 32 * 4
+    assert model_groups.groups[1].layer_names == ("model.layers.1.attn",)
     qwen = kv_config(mamba(), attention(FullAttentionSpec))
     check_engine(engine_config(), qwen)
-    layout = layout_from_config(qwen, "m")
-    assert layout.groups[0].kind is GroupKind.MAMBA
+    model_groups = groups_from_config(qwen, "m")
+    assert model_groups.groups[0].kind is GroupKind.MAMBA
     # The state's own bytes, not the page the allocator pads it to.
-    assert layout.groups[0].page_size_bytes == 3 * 384 * 2 + 128 * 128 * 2 < 262144
+    assert model_groups.groups[0].page_size_bytes == 3 * 384 * 2 + 128 * 128 * 2 < 262144
 
 
 def test_everything_we_cannot_serve_is_refused_in_one_error() -> None:
@@ -133,8 +133,8 @@ def test_deepseek_v4_per_layer_spec_groups_keep_each_layers_real_page() -> None:
         hash_block_size=4,
     )
     check_engine(engine_config(), config)
-    layout = layout_from_config(config, "m")
-    mixed, window = layout.groups
+    model_groups = groups_from_config(config, "m")
+    mixed, window = model_groups.groups
     assert mixed.kind is GroupKind.FULL and mixed.block_size == 256
     # Real pages (64 x 132, 64 x 584, 2 x 584), not the 576-aligned ones vLLM allocates.
     assert mixed.page_sizes_bytes == (8448, 37376, 1168)
@@ -143,7 +143,7 @@ def test_deepseek_v4_per_layer_spec_groups_keep_each_layers_real_page() -> None:
     # Equal pages: an ordinary group, searched with any other group of its spec.
     assert window.kind is GroupKind.SLIDING_WINDOW and window.sliding_window == 128
     assert window.layer_page_sizes_bytes == () and window.page_size_bytes == 8 * 1024 * 4
-    assert layout.hash_block_size == 4 and layout.scheduler_block_size == 256
+    assert model_groups.hash_block_size == 4 and model_groups.scheduler_block_size == 256
 
 
 def test_per_layer_spec_groups_mixing_kinds_or_windows_are_refused() -> None:

@@ -28,7 +28,7 @@ from tests.support.tier_data import new_keys
 
 pytestmark = pytest.mark.timeout(120)
 
-LAYOUT = qwen_next_like(attn_page=16 << 10, mamba_page=12 << 10)
+GROUPS = qwen_next_like(attn_page=16 << 10, mamba_page=12 << 10)
 NUM_BLOCKS = 16
 
 
@@ -80,7 +80,7 @@ def make_tier(pool: LocalPool, **options: Any) -> MooncakeTier:
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:
-    kv = allocate_kv_caches(LAYOUT, NUM_BLOCKS).kv_caches
+    kv = allocate_kv_caches(GROUPS, NUM_BLOCKS).kv_caches
     gen = torch.Generator().manual_seed(seed)
     for t in kv.values():
         raw = t.view(torch.uint8)
@@ -95,7 +95,7 @@ def parts(block_ids: list[int]) -> list[TransferPart]:
 
 def block_bytes(kv: dict[str, torch.Tensor], block_id: int) -> bytes:
     return b"".join(kv[name][block_id].view(torch.uint8).numpy().tobytes()
-                    for name in LAYOUT.groups[0].layer_names)  # fmt: skip
+                    for name in GROUPS.groups[0].layer_names)  # fmt: skip
 
 
 def run(engine: TransferEngine, job_id: Any) -> JobResult:
@@ -117,7 +117,7 @@ def test_blocks_round_trip_through_the_pool_with_no_copy_by_the_tier(
         recorder = Recorder(tier._client.store)
         tier._client.store = recorder
         config = TransferConfig(staging_bytes=4 * MIB)
-        with TransferEngine(canonicalize(kv, LAYOUT), tier, config) as engine:
+        with TransferEngine(canonicalize(kv, GROUPS), tier, config) as engine:
             assert engine.placement.room_bytes >= HEADER_BYTES
             job = parts(ids)
             assert run(engine, engine.submit_store(job)).ok
@@ -149,7 +149,7 @@ def test_a_corrupt_object_in_the_pool_never_reaches_the_caches(pool: LocalPool, 
     kv = caches(seed=2)
     ids = [1, 2, 5]
     saved = {b: block_bytes(kv, b) for b in ids}
-    with make_tier(pool) as tier, TransferEngine(canonicalize(kv, LAYOUT), tier) as engine:
+    with make_tier(pool) as tier, TransferEngine(canonicalize(kv, GROUPS), tier) as engine:
         job = parts(ids)
         assert run(engine, engine.submit_store(job)).ok
         key = job[0].keys[1]
@@ -170,7 +170,7 @@ def test_an_abandoned_put_keeps_its_staging_until_mooncake_returns() -> None:
     kv = caches(seed=3)
     with MooncakePool(segment_bytes=64 * MIB) as fault_pool, make_tier(fault_pool) as tier:
         config = TransferConfig(staging_bytes=1 * MIB, store_timeout_s=0.5)
-        with TransferEngine(canonicalize(kv, LAYOUT), tier, config) as engine:
+        with TransferEngine(canonicalize(kv, GROUPS), tier, config) as engine:
             fault_pool.pause(ServerRole.DAEMON)
             try:
                 result = run(engine, engine.submit_store(parts([0, 1, 2])))

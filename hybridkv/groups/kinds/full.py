@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from hybridkv.spec.kinds.base import (
+from hybridkv.groups.kinds.base import (
     BoolArray,
     Found,
     GroupKind,
@@ -14,7 +14,7 @@ from hybridkv.spec.kinds.base import (
 )
 
 if TYPE_CHECKING:
-    from hybridkv.spec.groups import KVGroup
+    from hybridkv.groups.model_groups import KVGroup
 
 
 class FullRules(KindRules):

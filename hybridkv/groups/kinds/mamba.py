@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from hybridkv.spec.kinds.base import BoolArray, Found, GroupKind, KindRules
+from hybridkv.groups.kinds.base import BoolArray, Found, GroupKind, KindRules
 
 if TYPE_CHECKING:
-    from hybridkv.spec.groups import KVGroup
+    from hybridkv.groups.model_groups import KVGroup
 
 
 class MambaRules(KindRules):

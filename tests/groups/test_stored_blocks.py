@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridkv.groups import GroupKind, KVGroup
+from hybridkv.groups.kinds import rules_for
 from hybridkv.hits import drafting_groups, find_longest_hit
-from hybridkv.spec import GroupKind, KVGroup
-from hybridkv.spec.kinds import rules_for
 from tests.support.hits import full, layouts, mamba, swa
 
 
@@ -55,9 +55,9 @@ def stored_layer_blind(groups: list[KVGroup], steps: list[tuple[int, int]]) -> l
 @settings(max_examples=400, deadline=None)
 @given(layouts(), st.randoms(use_true_random=False), st.data())
 def test_every_hit_over_what_was_stored_equals_the_layer_blind_hit_and_loads_completely(
-    layout: tuple[list[KVGroup], int | None, bool], rng: random.Random, data: st.DataObject
+    model_groups: tuple[list[KVGroup], int | None, bool], rng: random.Random, data: st.DataObject
 ) -> None:
-    groups, alignment, use_eagle = layout
+    groups, alignment, use_eagle = model_groups
     align = alignment or math.lcm(*(g.block_size for g in groups))
     eagle_ids = None
     if use_eagle and data.draw(st.booleans()):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec, make_layer_names
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups, make_layer_names
 
 
 def group(**overrides: Any) -> KVGroup:
@@ -109,7 +109,7 @@ def test_valid_groups_and_their_derived_sizes() -> None:
     assert g.num_layers == 3
     assert g.block_bytes == 3 * 4096
     chunked = group(kind=GroupKind.CHUNKED_LOCAL, attention_chunk_size=8192)
-    assert chunked.spec_key == (GroupKind.CHUNKED_LOCAL, 16, 1024, None, 8192, ())
+    assert chunked.search_key == (GroupKind.CHUNKED_LOCAL, 16, 1024, None, 8192, ())
     assert sliding(layer_names=["x"]).layer_names == ("x",)  # lists become tuples
 
 
@@ -122,10 +122,12 @@ def test_per_layer_pages_size_the_block_and_make_their_own_spec() -> None:
     twin = group(
         layer_names=("d", "e", "f"), page_size_bytes=300, layer_page_sizes_bytes=(300, 100, 20)
     )
-    assert mixed.spec_key != twin.spec_key  # vLLM's per-layer spec collections never compare equal
+    assert (
+        mixed.search_key != twin.search_key
+    )  # vLLM's per-layer spec collections never compare equal
     assert KVGroup.from_dict(mixed.to_dict()) == mixed
     uniform = group(layer_names=("a", "b"), page_size_bytes=64)
-    assert "layer_page_sizes_bytes" not in uniform.to_dict()  # old layout files stay valid
+    assert "layer_page_sizes_bytes" not in uniform.to_dict()  # old groups files stay valid
     assert uniform.page_sizes_bytes == (64, 64)
 
 
@@ -151,11 +153,11 @@ def test_string_layer_names_are_rejected() -> None:
         )
 
 
-# ---------------------------------------------------------------- KVLayoutSpec validation
+# ---------------------------------------------------------------- ModelGroups validation
 
 
 def test_layout_defaults_are_lcm_and_gcd_of_block_sizes() -> None:
-    layout = KVLayoutSpec(
+    model_groups = ModelGroups(
         groups=(
             group(block_size=256, layer_names=("a",)),
             sliding(block_size=64, layer_names=("b",)),
@@ -164,11 +166,11 @@ def test_layout_defaults_are_lcm_and_gcd_of_block_sizes() -> None:
             sliding(block_size=8, layer_names=("e",)),
         )
     )
-    assert layout.scheduler_block_size == 256
-    assert layout.hash_block_size == 4
-    assert layout.block_sizes == (256, 64, 64, 4, 8)
-    assert layout.num_groups == 5
-    mixed = KVLayoutSpec(groups=(group(block_size=6), sliding(block_size=4)))
+    assert model_groups.scheduler_block_size == 256
+    assert model_groups.hash_block_size == 4
+    assert model_groups.block_sizes == (256, 64, 64, 4, 8)
+    assert model_groups.num_groups == 5
+    mixed = ModelGroups(groups=(group(block_size=6), sliding(block_size=4)))
     assert (mixed.scheduler_block_size, mixed.hash_block_size) == (12, 2)
 
 
@@ -189,12 +191,12 @@ def test_default_block_sizes_match_brute_force(block_sizes: list[int]) -> None:
     groups = tuple(
         group(block_size=bs, layer_names=(f"layers.{i}",)) for i, bs in enumerate(block_sizes)
     )
-    layout = KVLayoutSpec(groups=groups)
-    assert layout.scheduler_block_size == brute_lcm(block_sizes)
-    assert layout.hash_block_size == brute_gcd(block_sizes)
+    model_groups = ModelGroups(groups=groups)
+    assert model_groups.scheduler_block_size == brute_lcm(block_sizes)
+    assert model_groups.hash_block_size == brute_gcd(block_sizes)
 
 
-INVALID_LAYOUTS = [
+INVALID_GROUPS = [
     (
         {"groups": (group(block_size=16), sliding(block_size=6)), "hash_block_size": 4},
         ["group 1 block_size=6", "not divisible by hash_block_size=4", "e.g. their GCD 2"],
@@ -219,14 +221,14 @@ INVALID_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize(("fields", "fragments"), INVALID_LAYOUTS)
+@pytest.mark.parametrize(("fields", "fragments"), INVALID_GROUPS)
 def test_invalid_layout_names_field_value_and_rule(
     fields: dict[str, Any], fragments: list[str]
 ) -> None:
     with pytest.raises(ValueError) as info:
-        KVLayoutSpec(**fields)
+        ModelGroups(**fields)
     message = str(info.value)
-    assert message.startswith("invalid KVLayoutSpec: ")
+    assert message.startswith("invalid ModelGroups: ")
     for fragment in fragments:
         assert fragment in message, (fragment, message)
 
@@ -234,16 +236,16 @@ def test_invalid_layout_names_field_value_and_rule(
 def test_layout_collects_every_problem_into_one_error() -> None:
     groups = (group(block_size=16, layer_names=("a",)), sliding(block_size=6, layer_names=("a",)))
     with pytest.raises(ValueError) as info:
-        KVLayoutSpec(groups=groups, hash_block_size=4, scheduler_block_size=32)
-    problems = str(info.value).removeprefix("invalid KVLayoutSpec: ").split("; ")
+        ModelGroups(groups=groups, hash_block_size=4, scheduler_block_size=32)
+    problems = str(info.value).removeprefix("invalid ModelGroups: ").split("; ")
     assert len(problems) == 3
 
 
 def test_group_of_layer() -> None:
-    layout = KVLayoutSpec(groups=(group(layer_names=("a", "b")), sliding(layer_names=("c",))))
-    assert [layout.group_of_layer(n) for n in ("a", "b", "c")] == [0, 0, 1]
+    model_groups = ModelGroups(groups=(group(layer_names=("a", "b")), sliding(layer_names=("c",))))
+    assert [model_groups.group_of_layer(n) for n in ("a", "b", "c")] == [0, 0, 1]
     with pytest.raises(KeyError, match="'z' is in no group"):
-        layout.group_of_layer("z")
+        model_groups.group_of_layer("z")
 
 
 # ---------------------------------------------------------------- dict round trip
@@ -265,7 +267,7 @@ group_strategy = st.builds(
 
 
 @st.composite
-def layouts(draw: st.DrawFn) -> KVLayoutSpec:
+def layouts(draw: st.DrawFn) -> ModelGroups:
     raw_groups = draw(st.lists(group_strategy, min_size=1, max_size=4))
     groups = []
     for i, raw in enumerate(raw_groups):
@@ -273,17 +275,17 @@ def layouts(draw: st.DrawFn) -> KVLayoutSpec:
         names = tuple(f"model.layers.{i}.{j}" for j in range(num_layers))
         groups.append(KVGroup(layer_names=names, **raw))
     model_id = draw(st.text(min_size=1, max_size=20))
-    return KVLayoutSpec(groups=tuple(groups), model_id=model_id)
+    return ModelGroups(groups=tuple(groups), model_id=model_id)
 
 
 @given(layouts())
 @settings(max_examples=100, deadline=None)
-def test_to_dict_from_dict_round_trip(layout: KVLayoutSpec) -> None:
-    data = json.loads(json.dumps(layout.to_dict()))
-    again = KVLayoutSpec.from_dict(data)
-    assert again == layout
-    assert again.fingerprint == layout.fingerprint
-    assert again.to_dict() == layout.to_dict()
+def test_to_dict_from_dict_round_trip(model_groups: ModelGroups) -> None:
+    data = json.loads(json.dumps(model_groups.to_dict()))
+    again = ModelGroups.from_dict(data)
+    assert again == model_groups
+    assert again.fingerprint == model_groups.fingerprint
+    assert again.to_dict() == model_groups.to_dict()
 
 
 def valid_layout_dict() -> dict[str, Any]:
@@ -303,9 +305,9 @@ def valid_layout_dict() -> dict[str, Any]:
 
 
 def test_from_dict_defaults_derived_sizes() -> None:
-    layout = KVLayoutSpec.from_dict(valid_layout_dict())
-    assert (layout.scheduler_block_size, layout.hash_block_size) == (16, 16)
-    assert layout.groups[1].sliding_window == 32
+    model_groups = ModelGroups.from_dict(valid_layout_dict())
+    assert (model_groups.scheduler_block_size, model_groups.hash_block_size) == (16, 16)
+    assert model_groups.groups[1].sliding_window == 32
 
 
 @pytest.mark.parametrize(
@@ -313,7 +315,7 @@ def test_from_dict_defaults_derived_sizes() -> None:
     [
         (
             lambda d: d.update(colour=1),
-            ["layout: 1 problem", "colour: unknown key; allowed keys: groups,"],
+            ["model groups: 1 problem", "colour: unknown key; allowed keys: groups,"],
         ),
         (lambda d: d.update(groups=[]), ["groups=[]: must have at least 1 item"]),
         (lambda d: d.pop("groups"), ["groups: required key is missing"]),
@@ -340,7 +342,7 @@ def test_from_dict_errors_name_the_key(mutate: Any, fragments: list[str]) -> Non
     data = valid_layout_dict()
     mutate(data)
     with pytest.raises(ValueError) as info:
-        KVLayoutSpec.from_dict(data)
+        ModelGroups.from_dict(data)
     for fragment in fragments:
         assert fragment in str(info.value), (fragment, str(info.value))
 
@@ -350,20 +352,20 @@ def test_from_dict_collects_problems_of_every_group() -> None:
     data["groups"][0]["kind"] = "linear"
     data["groups"][1]["block_size"] = 0
     with pytest.raises(ValueError) as info:
-        KVLayoutSpec.from_dict(data)
+        ModelGroups.from_dict(data)
     assert "groups[0]" in str(info.value) and "groups[1]" in str(info.value)
 
 
 def test_from_dict_rejects_a_non_object_with_value_error() -> None:
     with pytest.raises(ValueError):
-        KVLayoutSpec.from_dict(["groups"])  # type: ignore[arg-type]
+        ModelGroups.from_dict(["groups"])  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- fingerprint
 
 
-def base_layout() -> KVLayoutSpec:
-    return KVLayoutSpec(
+def base_groups() -> ModelGroups:
+    return ModelGroups(
         groups=(
             group(block_size=16, layer_names=("a", "b")),
             sliding(block_size=32, layer_names=("c",)),
@@ -373,19 +375,19 @@ def base_layout() -> KVLayoutSpec:
 
 
 def test_fingerprint_is_16_hex_and_equal_for_equal_specs() -> None:
-    fp = base_layout().fingerprint
+    fp = base_groups().fingerprint
     assert len(fp) == 16 and int(fp, 16) >= 0
-    assert base_layout().fingerprint == fp
+    assert base_groups().fingerprint == fp
 
 
 FINGERPRINT_SCRIPT = """
-from hybridkv.spec import GroupKind, KVGroup, KVLayoutSpec
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 g = (
     KVGroup(kind=GroupKind.FULL, block_size=16, page_size_bytes=1024, layer_names=("a", "b")),
     KVGroup(kind=GroupKind.SLIDING_WINDOW, block_size=32, page_size_bytes=1024,
             layer_names=("c",), sliding_window=128),
 )
-print(KVLayoutSpec(groups=g, model_id="m").fingerprint)
+print(ModelGroups(groups=g, model_id="m").fingerprint)
 """
 
 
@@ -401,13 +403,13 @@ def test_fingerprint_is_stable_across_processes() -> None:
             check=True,
         )
         outputs.add(result.stdout.strip())
-    assert outputs == {base_layout().fingerprint}
+    assert outputs == {base_groups().fingerprint}
 
 
-def replace_group(layout: KVLayoutSpec, index: int, **changes: Any) -> KVLayoutSpec:
-    groups = list(layout.groups)
+def replace_group(model_groups: ModelGroups, index: int, **changes: Any) -> ModelGroups:
+    groups = list(model_groups.groups)
     groups[index] = dataclasses.replace(groups[index], **changes)
-    return dataclasses.replace(layout, groups=tuple(groups))
+    return dataclasses.replace(model_groups, groups=tuple(groups))
 
 
 BYTE_SHAPING_CHANGES = {
@@ -427,34 +429,38 @@ BYTE_SHAPING_CHANGES = {
 
 @pytest.mark.parametrize("field", sorted(BYTE_SHAPING_CHANGES))
 def test_fingerprint_changes_with_every_field_that_shapes_bytes(field: str) -> None:
-    layout = base_layout()
-    changed = BYTE_SHAPING_CHANGES[field](layout)
-    assert changed != layout
-    assert changed.fingerprint != layout.fingerprint
+    model_groups = base_groups()
+    changed = BYTE_SHAPING_CHANGES[field](model_groups)
+    assert changed != model_groups
+    assert changed.fingerprint != model_groups.fingerprint
 
 
 def test_fingerprints_of_all_variants_are_distinct() -> None:
-    variants = [f(base_layout()) for f in BYTE_SHAPING_CHANGES.values()] + [base_layout()]
+    variants = [f(base_groups()) for f in BYTE_SHAPING_CHANGES.values()] + [base_groups()]
     assert len({v.fingerprint for v in variants}) == len(variants)
 
 
 def test_fingerprint_ignores_pages() -> None:
     """vLLM's scheduler sees a per-layer-page group as its first layer's spec, its
     workers see every page: both must name the same blocks."""
-    layout = base_layout()
-    first = layout.groups[0]
+    model_groups = base_groups()
+    first = model_groups.groups[0]
     worker_view = replace_group(
-        layout,
+        model_groups,
         0,
         page_size_bytes=4 * first.page_size_bytes,
         layer_page_sizes_bytes=(first.page_size_bytes, 4 * first.page_size_bytes),
     )
     assert worker_view.groups[0].block_bytes != first.block_bytes
-    assert worker_view.fingerprint == layout.fingerprint
-    assert replace_group(layout, 0, page_size_bytes=2048).fingerprint == layout.fingerprint
+    assert worker_view.fingerprint == model_groups.fingerprint
+    assert (
+        replace_group(model_groups, 0, page_size_bytes=2048).fingerprint == model_groups.fingerprint
+    )
 
 
 def test_fingerprint_ignores_model_id() -> None:
-    # The model id enters keys through the namespace, not the layout fingerprint.
-    layout = base_layout()
-    assert dataclasses.replace(layout, model_id="other").fingerprint == layout.fingerprint
+    # The model id enters keys through the namespace, not the groups fingerprint.
+    model_groups = base_groups()
+    assert (
+        dataclasses.replace(model_groups, model_id="other").fingerprint == model_groups.fingerprint
+    )

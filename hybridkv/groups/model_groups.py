@@ -1,4 +1,4 @@
-"""The KV cache model: groups of layers that share a kind and a block size.
+"""A model's KV cache groups: layers that share a kind and a block size.
 
 Pure data, no I/O; used by the scheduler side and the worker side alike.
 A hybrid model's KV cache is split into groups (full attention, sliding
@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictStr
 
+from hybridkv.groups.kinds import GroupKind, rules_for
 from hybridkv.schema import (
     CONFIG,
     Distinct,
@@ -27,7 +28,6 @@ from hybridkv.schema import (
     check_fields,
     parse,
 )
-from hybridkv.spec.kinds import GroupKind, rules_for
 
 LayerNames = Annotated[tuple[StrictStr, ...], Field(min_length=1), Distinct]
 """A group's layers: at least one, each named once."""
@@ -81,12 +81,12 @@ class KVGroup:
         return self.page_size_bytes * self.num_layers
 
     @property
-    def spec_key(self) -> tuple[Any, ...]:
-        """Identity of the group's spec, layer names excluded.
+    def search_key(self) -> tuple[Any, ...]:
+        """What the group shares with others searched with it, layer names excluded.
 
-        Groups with equal spec keys are searched together for hits: a block
+        Groups with equal search keys are searched together for hits: a block
         hits only if every such group holds it (as vLLM's coordinator does).
-        A group with per-layer pages is its own spec: vLLM's per-layer spec
+        A group with per-layer pages is searched alone: vLLM's per-layer spec
         collections name their layers, so two such groups never compare equal.
         """
         return (
@@ -107,7 +107,7 @@ class KVGroup:
             "sliding_window": self.sliding_window,
             "attention_chunk_size": self.attention_chunk_size,
         }
-        if self.layer_page_sizes_bytes:  # absent for uniform pages: layout files unchanged
+        if self.layer_page_sizes_bytes:  # absent for uniform pages: groups files unchanged
             data["layer_page_sizes_bytes"] = list(self.layer_page_sizes_bytes)
         return data
 
@@ -144,7 +144,7 @@ def _layer_page_problems(group: KVGroup) -> list[str]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class KVLayoutSpec:
+class ModelGroups:
     """All groups of a model's KV cache plus the two block sizes derived from them.
 
     * ``scheduler_block_size``: the alignment of hits, a multiple of every
@@ -207,25 +207,25 @@ class KVLayoutSpec:
         }
 
     @classmethod
-    def from_dict(cls, data: object, *, where: str = "layout") -> KVLayoutSpec:
-        """A layout from its JSON form (``to_dict``); ConfigError lists every problem."""
-        layout: KVLayoutSpec = parse(cls, data, where=where)
-        return layout
+    def from_dict(cls, data: object, *, where: str = "model groups") -> ModelGroups:
+        """Model groups from their JSON form (``to_dict``); ConfigError lists every problem."""
+        model_groups: ModelGroups = parse(cls, data, where=where)
+        return model_groups
 
 
-def _block_size_problems(spec: KVLayoutSpec) -> list[str]:
-    sizes = spec.block_sizes
+def _block_size_problems(model_groups: ModelGroups) -> list[str]:
+    sizes = model_groups.block_sizes
     problems = []
     for group_id, size in enumerate(sizes):
-        if size % spec.hash_block_size:
+        if size % model_groups.hash_block_size:
             problems.append(
                 f"group {group_id} block_size={size} is not divisible by "
-                f"hash_block_size={spec.hash_block_size} (use a hash_block_size dividing "
+                f"hash_block_size={model_groups.hash_block_size} (use a hash_block_size dividing "
                 f"every group's block size, e.g. their GCD {reduce(math.gcd, sizes)})"
             )
-        if spec.scheduler_block_size % size:
+        if model_groups.scheduler_block_size % size:
             problems.append(
-                f"scheduler_block_size={spec.scheduler_block_size} is not a multiple of "
+                f"scheduler_block_size={model_groups.scheduler_block_size} is not a multiple of "
                 f"group {group_id} block_size={size} (use a multiple of their LCM "
                 f"{math.lcm(*sizes)})"
             )
@@ -245,20 +245,20 @@ def _shared_layer_problems(groups: Sequence[KVGroup]) -> list[str]:
     return problems
 
 
-def _fingerprint(spec: KVLayoutSpec) -> str:
+def _fingerprint(model_groups: ModelGroups) -> str:
     # Pages are left out: vLLM's scheduler process sees a group with per-layer pages
     # (DeepSeek-V4) as its first layer's spec, its workers see every page, and both
     # must name blocks alike. Page sizes follow from the model, dtype and in-page
     # layout (the key namespace) and each object's length is checked on load.
     groups = []
-    for g in spec.groups:
+    for g in model_groups.groups:
         data = g.to_dict()
         del data["page_size_bytes"]
         data.pop("layer_page_sizes_bytes", None)
         groups.append(data)
     body = {
-        "scheduler_block_size": spec.scheduler_block_size,
-        "hash_block_size": spec.hash_block_size,
+        "scheduler_block_size": model_groups.scheduler_block_size,
+        "hash_block_size": model_groups.hash_block_size,
         "groups": groups,
     }
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from hybridkv.spec.kinds.base import BoolArray, Found, GroupKind, KindRules, first_missing
+from hybridkv.groups.kinds.base import BoolArray, Found, GroupKind, KindRules, first_missing
 
 if TYPE_CHECKING:
-    from hybridkv.spec.groups import KVGroup
+    from hybridkv.groups.model_groups import KVGroup
 
 
 class SlidingWindowRules(KindRules):

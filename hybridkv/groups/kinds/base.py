@@ -16,7 +16,7 @@ past blocks to resume it at a given length; the rules answer, for that kind:
   drafting modes it supports.
 
 Adding a kind is one module implementing ``KindRules`` plus one line in
-``hybridkv.spec.kinds.RULES``; the engine adapter maps the engine's spec
+``hybridkv.groups.kinds.RULES``; the engine adapter maps the engine's spec
 classes to the kind.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from hybridkv.spec.groups import KVGroup
+    from hybridkv.groups.model_groups import KVGroup
 
 BoolArray = npt.NDArray[np.bool_]
 
@@ -67,7 +67,7 @@ class KindRules:
     """The rules of one kind of group. Stateless; one shared instance per kind.
 
     Hit search asks a rule about a window ``[lo, hi)`` of block indices; the
-    answers ``have`` (True: every group of the spec holds the block) are
+    answers ``have`` (True: every group of the search key holds the block) are
     bytes, one per block of the window. ``drop`` is EAGLE's dropped last
     block, ``a`` / ``align`` the hit alignment in blocks / tokens.
     """
@@ -108,7 +108,7 @@ class KindRules:
         """Block indices a step that computed tokens ``[start, end)`` stores, increasing.
 
         Only blocks some later hit (aligned to ``align`` tokens; ``drop``: EAGLE
-        drafting drops the spec's last hit block) can read are worth storing.
+        drafting drops the group's last hit block) can read are worth storing.
         Default: every block whose last token was computed in the step.
         """
         return range(start // group.block_size, end // group.block_size)

@@ -4,11 +4,11 @@ Hit search, store and load planning, ``inspect`` and group validation all ask
 these objects; nothing else branches on a group's kind.
 """
 
-from hybridkv.spec.kinds.base import Found, GroupKind, KindRules
-from hybridkv.spec.kinds.chunked_local import ChunkedLocalRules
-from hybridkv.spec.kinds.full import FullRules
-from hybridkv.spec.kinds.mamba import MambaRules
-from hybridkv.spec.kinds.sliding_window import SlidingWindowRules
+from hybridkv.groups.kinds.base import Found, GroupKind, KindRules
+from hybridkv.groups.kinds.chunked_local import ChunkedLocalRules
+from hybridkv.groups.kinds.full import FullRules
+from hybridkv.groups.kinds.mamba import MambaRules
+from hybridkv.groups.kinds.sliding_window import SlidingWindowRules
 
 RULES: dict[GroupKind, KindRules] = {
     rules.kind: rules
