@@ -32,13 +32,14 @@ from hybridkv.connector.metadata import (
     WorkerReport,
 )
 from hybridkv.connector.requests import GroupBlockTable, RequestState
+from hybridkv.connector.search import HitSearch
 from hybridkv.connector.stats import SchedulerStats
 from hybridkv.connector.steps import LookupResult, ScheduledRequest, StepInput
 from hybridkv.connector.stores import StorePlanner, make_transfer
 from hybridkv.groups import ModelGroups
 from hybridkv.groups.kinds import rules_for
-from hybridkv.hits import Hit, drafting_groups, find_longest_hit
-from hybridkv.keys import BlockHash, HashAlgo, KeyBuilder, KeyNamespace, RequestBlockHasher
+from hybridkv.hits import Hit, drafting_groups
+from hybridkv.keys import BlockHash, HashAlgo, RequestBlockHasher
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
 
 logger = logging.getLogger(__name__)
@@ -75,12 +76,14 @@ class ConnectorScheduler:
         self.tp_size = tp_size
         self.use_eagle = use_eagle
         self.eagle_group_ids = eagle_group_ids
-        self.builders = [
-            KeyBuilder(
-                model_groups, KeyNamespace.for_groups(model_groups, tp_rank=r, tp_size=tp_size)
-            )
-            for r in range(tp_size)
-        ]
+        self.hit_search = HitSearch(
+            model_groups=model_groups,
+            tp_size=tp_size,
+            alignment_tokens=self.alignment_tokens,
+            use_eagle=use_eagle,
+            eagle_group_ids=eagle_group_ids,
+        )
+        self.builders = self.hit_search.builders
         self.stats = SchedulerStats()
         self._requests: dict[str, RequestState] = {}
         self._loads: list[LoadPlan] = []
@@ -152,36 +155,18 @@ class ConnectorScheduler:
 
     def _search(self, st: RequestState, max_hit_tokens: int, tier_index: int | None) -> Hit:
         """The hit over every tier (``tier_index`` None) or one; asks, changes nothing."""
-        chain = st.hasher.block_hashes
         # Blocks being stored land in the first tier first.
         count_storing = tier_index in (None, 0)
-
-        def contains(group_id: int, indices: Sequence[int]) -> list[bool]:
-            hashes = self.builders[0].block_hashes(group_id, chain, indices)
-            found = [True] * len(hashes)
-            todo = [
-                i
-                for i, h in enumerate(hashes)
-                if not (count_storing and self.stores.is_storing(BlockRef(group_id, h)))
-            ]
-            for rank, builder in enumerate(self.builders):  # stored: held by every rank
-                if not todo:
-                    break
-                keys = builder.keys_of(group_id, (hashes[i] for i in todo))
-                answers = self.lookup_view.contains_many(keys, rank=rank, tier_index=tier_index)
-                for i, hit in zip(todo, answers, strict=True):
-                    found[i] = hit
-                todo = [i for i in todo if found[i]]
-            return found
-
-        return find_longest_hit(
-            self.model_groups.groups,
+        return self.hit_search.search(
+            self.lookup_view,
+            st.hasher.block_hashes,
             max_hit_tokens,
-            contains,
-            alignment_tokens=self.alignment_tokens,
-            use_eagle=self.use_eagle,
-            eagle_group_ids=self.eagle_group_ids,
+            tier_index=tier_index,
+            is_storing=self._is_storing if count_storing else None,
         )
+
+    def _is_storing(self, group_id: int, block_hash: BlockHash) -> bool:
+        return self.stores.is_storing(BlockRef(group_id, block_hash))
 
     def _forget_sent_from(self, chain: Sequence[BlockHash], num_tokens: int) -> None:
         """Every group's blocks from token ``num_tokens`` on: the search stops at a group's

@@ -1,0 +1,97 @@
+"""One engine's hit search over every rank's tiers: the scheduler's lookups and a router's.
+
+Scheduler process, and any process that answers lookups for an engine (``hybridkv
+route``). ``HitSearch`` holds what fixes an engine's answer (its groups, every rank's
+keys, its alignment and drafting) and asks a ``RankedLookup`` for the blocks
+``find_longest_hit`` needs: a block counts as stored only when every rank holds it.
+It only asks; what a caller does about missing blocks it does after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hybridkv.groups import ModelGroups
+from hybridkv.hits import Hit, find_longest_hit
+from hybridkv.keys import BlockHash, KeyBuilder, KeyNamespace
+from hybridkv.tiers.base import StoreKey
+
+IsStoring = Callable[[int, BlockHash], bool]
+"""``is_storing(group_id, block_hash)``: a store of that block is under way."""
+
+
+class RankedLookup(Protocol):
+    """Answers "does rank ``rank`` hold each key", in any tier or in one (``KeyLookup``)."""
+
+    def contains_many(
+        self, keys: Sequence[StoreKey], *, rank: int = 0, tier_index: int | None = None
+    ) -> list[bool]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class HitSearch:
+    """The longest hit an engine can resume from, with its rules (see ``find_longest_hit``)."""
+
+    model_groups: ModelGroups
+    tp_size: int = 1
+    alignment_tokens: int
+    use_eagle: bool = False
+    eagle_group_ids: Collection[int] | None = None
+    """The groups whose hits drop a block for drafting; None: every group."""
+    builders: tuple[KeyBuilder, ...] = field(default=(), init=False, repr=False, compare=False)
+    """Every rank's store keys, built from the fields above."""
+
+    def __post_init__(self) -> None:
+        builders = tuple(
+            KeyBuilder(
+                self.model_groups,
+                KeyNamespace.for_groups(self.model_groups, tp_rank=r, tp_size=self.tp_size),
+            )
+            for r in range(self.tp_size)
+        )
+        object.__setattr__(self, "builders", builders)
+
+    def search(
+        self,
+        lookup: RankedLookup,
+        chain: Sequence[BlockHash],
+        max_hit_tokens: int,
+        *,
+        tier_index: int | None = None,
+        is_storing: IsStoring | None = None,
+    ) -> Hit:
+        """The hit of a request whose chained hashes are ``chain``, over every tier
+        (``tier_index`` None) or one; blocks ``is_storing`` names count as stored."""
+
+        def contains(group_id: int, indices: Sequence[int]) -> list[bool]:
+            hashes = self.builders[0].block_hashes(group_id, chain, indices)
+            found = [True] * len(hashes)
+            todo = [
+                i for i, h in enumerate(hashes) if is_storing is None or not is_storing(group_id, h)
+            ]
+            for rank, builder in enumerate(self.builders):  # stored: held by every rank
+                if not todo:
+                    break
+                keys = builder.keys_of(group_id, (hashes[i] for i in todo))
+                answers = lookup.contains_many(keys, rank=rank, tier_index=tier_index)
+                for i, hit in zip(todo, answers, strict=True):
+                    found[i] = hit
+                todo = [i for i in todo if found[i]]
+            return found
+
+        return find_longest_hit(
+            self.model_groups.groups,
+            max_hit_tokens,
+            contains,
+            alignment_tokens=self.alignment_tokens,
+            use_eagle=self.use_eagle,
+            eagle_group_ids=self.eagle_group_ids,
+        )
+
+    def load_bytes(self, hit: Hit) -> int:
+        """Bytes one rank reads to load ``hit`` from nothing: every block it names, each
+        group's ``block_bytes``."""
+        groups = self.model_groups.groups
+        return sum(len(ids) * groups[g].block_bytes for g, ids in enumerate(hit.blocks_to_load))
