@@ -298,6 +298,21 @@ class KeyBuilder:
         prefix = self._group_prefixes[group_id]
         return [StoreKey(prefix + h.hex()) for h in block_hashes]
 
+    def parse(self, key: StoreKey) -> tuple[int, BlockHash] | None:
+        """The group and block hash ``key`` names; None for a key of another namespace
+        or one this builder would not make."""
+        _, sep, tail = key.rpartition("|g")
+        group, sep2, hash_hex = tail.partition("|")
+        well_formed = sep and sep2 and group.isdigit() and len(hash_hex) % 2 == 0
+        if not (well_formed and _HEX.fullmatch(hash_hex)):
+            return None
+        group_id = int(group)
+        if group_id >= len(self._group_prefixes):
+            return None
+        if not key.startswith(self._group_prefixes[group_id]):
+            return None
+        return group_id, BlockHash(bytes.fromhex(hash_hex))
+
     def keys(
         self, group_id: int, hashes: Sequence[BlockHash], block_indices: Iterable[int]
     ) -> list[StoreKey]:

@@ -27,6 +27,7 @@ from hybridkv.keys import (
     hash_block_tokens,
     sanitize_model_id,
 )
+from hybridkv.tiers.base import StoreKey
 
 
 def digest(algo: HashAlgo, data: bytes) -> bytes:
@@ -453,3 +454,32 @@ def test_keys_differ_by_model_layout_rank_and_group() -> None:
     }
     assert len(keys) == 6
     assert all(KEY_CHARS.match(k) for k in keys)
+
+
+def test_a_key_parses_back_to_its_group_and_hash_in_its_namespace_only() -> None:
+    model_groups = dsv4_like_groups("org/dsv4 with|bars")
+    hasher = RequestBlockHasher(4)
+    hasher.extend(list(range(64)))
+    builder = KeyBuilder(model_groups, KeyNamespace.for_groups(model_groups, tp_size=2))
+    for group_id in range(model_groups.num_groups):
+        for block_hash in hasher.block_hashes[:3]:
+            assert builder.parse(builder.key(group_id, block_hash)) == (group_id, block_hash)
+    block_hash = hasher.block_hashes[0]
+    other_rank = KeyBuilder(
+        model_groups, KeyNamespace.for_groups(model_groups, tp_rank=1, tp_size=2)
+    )
+    good = builder.key(1, block_hash)
+    foreign = [
+        other_rank.key(1, block_hash),
+        KeyBuilder(*_builder_args(dsv4_like_groups("org/other"))).key(1, block_hash),
+        StoreKey(good.replace("|g1|", "|g9|")),  # no such group
+        StoreKey(good[:-1]),  # odd hex
+        StoreKey(good + "z"),
+        StoreKey(good.replace("|g1|", "|gx|")),
+        StoreKey("test/other/key"),
+    ]
+    assert [builder.parse(k) for k in foreign] == [None] * len(foreign)
+
+
+def _builder_args(model_groups: ModelGroups) -> tuple[ModelGroups, KeyNamespace]:
+    return model_groups, KeyNamespace.for_groups(model_groups, tp_size=2)

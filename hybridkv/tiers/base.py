@@ -14,7 +14,7 @@ import ctypes
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar, NewType
+from typing import TYPE_CHECKING, ClassVar, NewType, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -127,6 +127,28 @@ class TierMedium(enum.Enum):
     REMOTE = "remote"
 
 
+class TierChanges(Protocol):
+    """Where a tier records, in the order they happen, the objects it stores and removes.
+
+    Called from any thread, possibly under the tier's own lock (so it must not call
+    the tier back).
+    """
+
+    def stored(self, keys: Sequence[StoreKey]) -> None:
+        """These objects are now stored (visible to lookups)."""
+
+    def removed(self, keys: Sequence[StoreKey]) -> None:
+        """These objects are gone: evicted, deleted, or dropped as corrupt."""
+
+    def keep_digests(self) -> None:
+        """A tier that names removals by digest calls this first, before it stores
+        anything: stored keys are then remembered by digest (bounded)."""
+
+    def removed_digests(self, digests: bytes) -> None:
+        """Objects gone, named by their concatenated ``codec.key_digest`` (a tier that
+        indexes digests, not keys; see ``keep_digests``)."""
+
+
 class Tier(abc.ABC):
     """A key -> bytes store with batched calls.
 
@@ -211,6 +233,12 @@ class Tier(abc.ABC):
     def memory(self) -> TierMemory | None:
         """Where transfers may copy in place; None: only through buffers."""
         return None
+
+    def log_changes(self, changes: TierChanges) -> bool:
+        """From now on, record every object stored and removed (evictions included) in
+        ``changes``, in order. False (the default): this tier cannot see its removals
+        (a shared pool evicts on its server); its caller records what it learns."""
+        return False
 
     def check_integrity(self) -> None:
         """Raise AssertionError if internal bookkeeping is inconsistent."""

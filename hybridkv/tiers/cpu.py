@@ -31,6 +31,7 @@ from hybridkv.tiers.base import (
     PutStatus,
     StoreKey,
     Tier,
+    TierChanges,
     TierMedium,
     TierMemory,
     TierReach,
@@ -260,6 +261,13 @@ class CpuTier(Tier):
             for key in present:
                 self._index.drop(key)
         return len(present)
+
+    def log_changes(self, changes: TierChanges) -> bool:
+        """Commits, evictions, deletes and corrupt drops, recorded under this tier's lock."""
+        with self._lock:
+            self._check_open()
+            self._index.changes = changes
+        return True
 
     def usage(self) -> TierUsage:
         with self._lock:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from hybridkv.tiers.base import PutStatus, StoreKey
+from hybridkv.tiers.base import PutStatus, StoreKey, TierChanges
 from hybridkv.tiers.memory import ExtentAllocator
 
 
@@ -50,6 +50,8 @@ class ArenaIndex:
         self.used_bytes = 0
         """Bytes of the stored objects."""
         self.num_evictions = 0
+        self.changes: TierChanges | None = None
+        """Told of every object stored and removed (``Tier.log_changes``)."""
 
     def find(self, key: StoreKey) -> Slot | None:
         """The stored object under ``key`` (reserved and deleted ones are absent)."""
@@ -149,6 +151,8 @@ class ArenaIndex:
             return None
         self.stored[key] = slot
         self.used_bytes += slot.num_bytes
+        if self.changes is not None:
+            self.changes.stored((key,))
         for _ in range(num_borrows):
             self.borrow(key)
         return slot
@@ -197,6 +201,8 @@ class ArenaIndex:
         its last release."""
         slot = self.stored.pop(key)
         self.used_bytes -= slot.num_bytes
+        if self.changes is not None:
+            self.changes.removed((key,))
         if slot.num_borrows:
             self._zombies[key] = slot
         else:

@@ -30,6 +30,7 @@ from hybridkv.tiers.base import (
     check_batch,
 )
 from hybridkv.tiers.selection import Selection
+from hybridkv.tiers.tiered.changes import ChangeLog, KeyChange
 from hybridkv.tiers.tiered.in_place import StoreMemory
 from hybridkv.tiers.tiered.write_back import WriteBack, WriteBackStats
 
@@ -86,6 +87,7 @@ class TieredStore(Tier):
         self._pending_loads = [0] * len(tiers)
         self._errors = [0] * len(tiers)
         self._lock = threading.Lock()
+        self._changes: ChangeLog | None = None
         first = self.tiers[0].memory()
         self._first_memory = first
         send_on = len(self.tiers) > 1
@@ -166,7 +168,10 @@ class TieredStore(Tier):
         with self._lock:
             self._pending_loads[index] += len(keys)
         try:
-            return self._batch(index, "get", GetStatus.ERROR, tier.get_many_into, keys, buffers)
+            answers = self._batch(index, "get", GetStatus.ERROR, tier.get_many_into, keys, buffers)
+            if self._changes is not None:
+                self._changes.note_gets(index, keys, answers)
+            return answers
         finally:
             with self._lock:
                 self._pending_loads[index] -= len(keys)
@@ -180,10 +185,7 @@ class TieredStore(Tier):
         moved = [j for j, source in enumerate(sources) if source not in (-1, target)]
         if target is not None and moved:
             promoted_keys, promoted_buffers = [keys[j] for j in moved], [buffers[j] for j in moved]
-            put_many = self.tiers[target].put_many
-            self._batch(
-                target, "promote", PutStatus.ERROR, put_many, promoted_keys, promoted_buffers
-            )
+            self._put_into(target, promoted_keys, promoted_buffers, what="promote")
 
     def put_many(
         self,
@@ -227,9 +229,14 @@ class TieredStore(Tier):
         keys: Sequence[StoreKey],
         buffers: Sequence[Buffer],
         checksums: Sequence[int] | None = None,
+        *,
+        what: str = "put",
     ) -> list[PutStatus]:
         put_many = self.tiers[index].put_many
-        return self._batch(index, "put", PutStatus.ERROR, put_many, keys, buffers, checksums)
+        answers = self._batch(index, what, PutStatus.ERROR, put_many, keys, buffers, checksums)
+        if self._changes is not None:
+            self._changes.note_puts(index, keys, answers)
+        return answers
 
     def _write_lower(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> int:
         """Write-back thread: put into every tier but the first; returns failures."""
@@ -278,6 +285,8 @@ class TieredStore(Tier):
         present = self.contains_many(keys)
         for index, tier in enumerate(self.tiers):
             self._guard(index, "delete", 0, tier.delete_many, keys)
+            if self._changes is not None:
+                self._changes.note_deletes(index, keys)
         return sum(present)
 
     def register_staging(self, staging: Buffer) -> int:
@@ -289,6 +298,15 @@ class TieredStore(Tier):
         return any(self._guard(i, "busy", False, t.staging_busy) for i, t in enumerate(self.tiers))
 
     # Bookkeeping ---------------------------------------------------------------
+
+    def record_changes(self, log: ChangeLog) -> None:
+        """From now on, record in ``log`` what each tier stores and removes."""
+        log.attach(self.tiers)
+        self._changes = log
+
+    def take_changes(self) -> list[KeyChange]:
+        """What the tiers stored and removed since the last call ([] unless recording)."""
+        return [] if self._changes is None else self._changes.take()
 
     def record_hit_tokens(self, tier_index: int, num_tokens: int) -> None:
         """Credit ``num_tokens`` of a request's hit to ``tiers[tier_index]``."""
