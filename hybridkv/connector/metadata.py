@@ -24,6 +24,15 @@ class BlockRef(NamedTuple):
     block_hash: BlockHash
 
 
+class TierChange(NamedTuple):
+    """One block one rank's tier stored or removed (for KV events)."""
+
+    tier_index: int
+    ref: BlockRef
+    stored: bool
+    """False: removed (evicted, deleted, found gone)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class BlockTransfer:
     """Blocks of one group of one request: ``block_hashes[i]`` <-> engine ``block_ids[i]``."""
@@ -123,10 +132,15 @@ class RankReport:
     """Blocks a load found missing or corrupt: lookups must stop offering them."""
     dropped: tuple[BlockRef, ...] = ()
     """Blocks a store skipped (backpressure, a full or failing tier): store them again."""
+    tier_changes: tuple[TierChange, ...] = ()
+    """What each tier stored and removed, in order (only when the engine publishes KV
+    events)."""
 
     @property
     def is_empty(self) -> bool:
-        return not (self.finished_loads or self.stored or self.missing or self.dropped)
+        return not (
+            self.finished_loads or self.stored or self.missing or self.dropped or self.tier_changes
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

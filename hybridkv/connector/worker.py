@@ -29,6 +29,7 @@ from hybridkv.connector.metadata import (
     LoadResult,
     RankReport,
     StorePlan,
+    TierChange,
     WorkerReport,
 )
 from hybridkv.connector.stats import WorkerStats
@@ -174,7 +175,17 @@ class ConnectorWorker:
                 self._drop_parts(load)
             if not load.jobs and not load.parts:
                 self._finish(req_id, load, now)
+        self._take_tier_changes()
         return WorkerReport(ranks=(self._report.take(),))
+
+    def _take_tier_changes(self) -> None:
+        """What the tiers stored and removed, by block (recorded only when the engine
+        publishes KV events; keys of other namespaces are left out)."""
+        for change in self.store.take_changes():
+            named = self.keys.parse(change.key)
+            if named is not None:
+                ref = BlockRef(*named)
+                self._report.tier_changes.append(TierChange(change.tier_index, ref, change.stored))
 
     def wait_jobs(self, timeout_s: float | None = None) -> bool:
         """Block until every transfer job has its result (one given up on has it already)."""
@@ -334,6 +345,7 @@ class _ReportBuilder:
     stored: list[BlockRef] = field(default_factory=list)
     missing: list[BlockRef] = field(default_factory=list)
     dropped: list[BlockRef] = field(default_factory=list)
+    tier_changes: list[TierChange] = field(default_factory=list)
 
     def take(self) -> RankReport:
         report = RankReport(
@@ -342,6 +354,8 @@ class _ReportBuilder:
             stored=tuple(self.stored),
             missing=tuple(self.missing),
             dropped=tuple(self.dropped),
+            tier_changes=tuple(self.tier_changes),
         )
         self.finished_loads, self.stored, self.missing, self.dropped = [], [], [], []
+        self.tier_changes = []
         return report

@@ -1,0 +1,81 @@
+"""Which blocks each tier holds on every rank, as stored and removed events.
+
+Scheduler process; engine-neutral (an engine adapter names the blocks in its
+own event format). The workers report what each of their tiers stored and
+removed (``RankReport.tier_changes``); a block is loadable from a tier only when
+every tensor-parallel rank holds its part there, so it is announced stored when
+the last rank reports it and removed when the first rank loses it. Each removal
+follows the announcement of the same block on the same tier.
+
+Bounded: at most ``max_blocks`` (tier, block) pairs are followed, least recently
+stored first out; one dropped while announced is announced removed (a router
+then under-counts, never over-counts).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+from hybridkv.connector.metadata import BlockRef, TierChange, WorkerReport
+
+MAX_BLOCKS = 1 << 18
+"""(tier, block) pairs followed; each costs a few hundred bytes."""
+
+
+class TierEvent(NamedTuple):
+    tier_index: int
+    ref: BlockRef
+    stored: bool
+    """False: removed."""
+
+
+class TierEvents:
+    """Turns the ranks' tier changes into events every rank agrees on."""
+
+    def __init__(self, tp_size: int = 1, *, max_blocks: int = MAX_BLOCKS) -> None:
+        if tp_size < 1 or max_blocks < 1:
+            raise ValueError(f"tp_size={tp_size} and max_blocks={max_blocks} must be >= 1")
+        self.max_blocks = max_blocks
+        self._all_ranks = (1 << tp_size) - 1
+        self._held: OrderedDict[tuple[int, BlockRef], int] = OrderedDict()
+        """(tier, block) -> the ranks holding it, one bit each."""
+        self._events: list[TierEvent] = []
+
+    def take_report(self, report: WorkerReport) -> None:
+        for rank_report in report.ranks:
+            rank = 1 << rank_report.tp_rank
+            for change in rank_report.tier_changes:
+                self._change(rank, change)
+
+    def take(self) -> list[TierEvent]:
+        """The events since the last call, in order."""
+        events, self._events = self._events, []
+        return events
+
+    @property
+    def num_blocks(self) -> int:
+        """(tier, block) pairs some rank holds."""
+        return len(self._held)
+
+    def _change(self, rank: int, change: TierChange) -> None:
+        slot = (change.tier_index, change.ref)
+        before = self._held.get(slot, 0)
+        after = before | rank if change.stored else before & ~rank
+        if after:
+            self._held[slot] = after
+            self._held.move_to_end(slot)
+        elif before:
+            del self._held[slot]
+        if after == self._all_ranks != before:
+            self._events.append(TierEvent(change.tier_index, change.ref, True))
+        elif before == self._all_ranks != after:
+            self._events.append(TierEvent(change.tier_index, change.ref, False))
+        while len(self._held) > self.max_blocks:
+            (tier_index, ref), ranks = self._held.popitem(last=False)
+            if ranks == self._all_ranks:
+                self._events.append(TierEvent(tier_index, ref, False))
+
+    def check_integrity(self) -> None:
+        assert len(self._held) <= self.max_blocks
+        assert all(0 < ranks <= self._all_ranks for ranks in self._held.values())
