@@ -98,6 +98,15 @@ class ConnectorConfig:
         Field(min_length=1, description="keeps this model's keys apart; null: the engine's model"),
     ] = None
     hash_algo: Annotated[HashAlgo, Field(description="block hash")] = HashAlgo.XXH3_128
+    engine_card: Annotated[
+        UserPath | None,
+        Field(
+            description=(
+                "the scheduler writes this engine's card (groups, hash settings, tiers) to "
+                "this JSON file when it starts, for `hybridkv route`; null: no card"
+            )
+        ),
+    ] = None
     thread_switch_interval_s: Annotated[
         Number | None,
         Field(

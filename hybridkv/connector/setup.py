@@ -7,6 +7,8 @@ Any process. An engine adapter reads ``EngineFacts`` once and calls
 up hits in that very store. Otherwise the scheduler opens lookup-only
 instances of the tiers other processes can see (each rank's), and answers for
 worker-private tiers (CPU memory) from the keys the workers report stored.
+``build_scheduler`` also writes the engine's card for routers (``card``) when the
+config names a file for it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
+from hybridkv.connector.card import publish_card
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.lookup import KeyLookup, LookupView, TierSlice
 from hybridkv.connector.scheduler import ConnectorScheduler
@@ -90,11 +93,18 @@ def lookup_for_store(store: TieredStore) -> KeyLookup:
 
 
 def build_lookup(
-    config: ConnectorConfig, facts: EngineFacts, *, worker_store: TieredStore | None = None
+    config: ConnectorConfig,
+    facts: EngineFacts,
+    *,
+    worker_store: TieredStore | None = None,
+    opened: dict[TierConfig, Tier] | None = None,
 ) -> tuple[KeyLookup, list[Tier]]:
     """The scheduler's lookup view and the lookup-only tiers it opened (close them).
 
     ``worker_store``: the one worker's store, built in this process (one rank only).
+    ``opened``: lookup-only tiers already open in this process, by config, used and
+    added to (a router serving several engines of one pool opens it once); the
+    tiers returned are then only those this call opened.
     """
     if worker_store is not None:
         if facts.tp_size != 1:
@@ -104,7 +114,8 @@ def build_lookup(
             )
         logger.info("hybridkv lookups use the worker's store in this process (every tier)")
         return lookup_for_store(worker_store), []
-    opened: dict[TierConfig, Tier] = {}
+    known = {} if opened is None else opened
+    new: dict[TierConfig, Tier] = {}
     per_rank: list[list[LookupView | None]] = []
     try:
         for rank in range(facts.tp_size):
@@ -114,18 +125,20 @@ def build_lookup(
                     views.append(None)  # answered from the workers' reports
                     continue
                 lookup_config = tier_config.lookup_only()
-                if lookup_config not in opened:
-                    opened[lookup_config] = build_tier(lookup_config)
-                views.append(opened[lookup_config])
+                tier = known.get(lookup_config, new.get(lookup_config))
+                if tier is None:
+                    tier = new[lookup_config] = build_tier(lookup_config)
+                views.append(tier)
             per_rank.append(views)
     except Exception:
-        for tier in opened.values():
+        for tier in new.values():
             tier.close()
         raise
+    known.update(new)
     weights = [c.load_weight for c in config.tier_configs]
     kinds = ["reported" if v is None else "lookup-only" for v in per_rank[0]]
     logger.info("hybridkv lookups from the scheduler process: tiers %s", kinds)
-    return KeyLookup(per_rank, weights), list(opened.values())
+    return KeyLookup(per_rank, weights), list(new.values())
 
 
 def build_scheduler(
@@ -147,6 +160,7 @@ def build_scheduler(
         use_eagle=facts.use_eagle,
         eagle_group_ids=facts.eagle_group_ids or None,
     )
+    publish_card(config, facts, scheduler.alignment_tokens)
     return scheduler, opened
 
 
