@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "hybridkv.transfer": 4,
     "hybridkv.connector": 5,
     "hybridkv.integrations": 6,
+    "hybridkv.route": 6,
     "hybridkv.vllm": 7,
     "hybridkv.tools": 7,
     "hybridkv.cli": 8,
@@ -35,7 +36,8 @@ LAYERS: dict[str, int] = {
 """A module may import modules of a lower layer, or of its own package."""
 
 ENGINE_NEUTRAL = ("hybridkv.tiers", "hybridkv.groups", "hybridkv.keys", "hybridkv.hits",
-                  "hybridkv.layout", "hybridkv.transfer", "hybridkv.connector")  # fmt: skip
+                  "hybridkv.layout", "hybridkv.transfer", "hybridkv.connector",
+                  "hybridkv.route")  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:

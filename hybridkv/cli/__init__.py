@@ -28,6 +28,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "pool": ("hybridkv.cli.pool", "start or stop a local Mooncake pool on loopback"),
     "config": ("hybridkv.cli.config", "list every configuration key, or check a config"),
+    "route": (
+        "hybridkv.cli.route",
+        "serve each engine's cache hits for a prompt over HTTP, for routers",
+    ),
 }
 
 

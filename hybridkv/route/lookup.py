@@ -1,0 +1,269 @@
+"""How many tokens of a prompt an engine would load from its tiers, asked from outside it.
+
+Any process that can read an engine's card (``connector.card``) and reach its
+tiers: a router, or ``hybridkv route serve``. ``EngineLookup`` opens lookup-only
+instances of the tiers this process can see (the connector's ``build_lookup``,
+as a scheduler in another process than its workers does) and runs the
+scheduler's own search (``HitSearch``) with the engine's groups, alignment,
+drafting and hash settings: the hit it reports is the one the engine's
+scheduler finds for the same tokens, as long as both see the same tiers.
+Tiers private to the engine's processes (CPU memory) are not visible here;
+they answer as misses (``TierHit.visible`` False).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from hybridkv.connector.card import EngineCard
+from hybridkv.connector.lookup import KeyLookup, LookupView
+from hybridkv.connector.search import HitSearch
+from hybridkv.connector.setup import EngineFacts, build_lookup
+from hybridkv.hits import Hit
+from hybridkv.keys import BlockHash, RequestBlockHasher
+from hybridkv.tiers.base import StoreKey, Tier
+from hybridkv.tiers.registry import TierConfig
+from hybridkv.tiers.selection import Selection, pick_whole_request_tier
+
+
+@dataclass(frozen=True, kw_only=True)
+class HitQuery:
+    """A prompt: its token ids (hashed with each engine's settings, its ``cache_salt``
+    and ``lora_name``), or the chained block hashes already computed with the
+    engine's (``num_tokens``: the prompt's length; default the tokens the hashes
+    cover, which may under-count one hit block when the prompt is longer)."""
+
+    token_ids: Sequence[int] | npt.NDArray[np.integer] | None = None
+    block_hashes: Sequence[BlockHash] | None = None
+    num_tokens: int | None = None
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if (self.token_ids is None) == (self.block_hashes is None):
+            problems.append("give either token_ids or block_hashes, not both nor neither")
+        if self.block_hashes is not None and (self.cache_salt or self.lora_name):
+            problems.append(
+                "cache_salt and lora_name enter the block hashes: give them with token_ids "
+                "only (block_hashes already include them)"
+            )
+        if self.token_ids is not None and self.num_tokens is not None:
+            problems.append("num_tokens goes with block_hashes; token_ids give their length")
+        if self.num_tokens is not None and self.num_tokens < 0:
+            problems.append(f"num_tokens={self.num_tokens} must be >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierHit:
+    """The hit one tier alone would give (every rank's copy of that tier)."""
+
+    tier_index: int
+    kind: str
+    visible: bool
+    """False: private to the engine's processes (CPU memory): answered as a miss here."""
+    hit_tokens: int
+    load_bytes_per_rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineHits:
+    """One engine's answer: the hit its scheduler would find, per tier and over all."""
+
+    engine: str
+    num_tokens: int
+    hit_tokens: int
+    """What the scheduler finds over every visible tier (per-block selection), or from
+    the one tier whole-request selection picks."""
+    load_bytes_per_rank: int
+    """Bytes each rank reads to load that hit (each block of every group it needs)."""
+    tp_size: int
+    tier_index: int | None
+    """The tier whole-request selection picks; None: per block, the cheapest holding it."""
+    tiers: tuple[TierHit, ...]
+
+    @property
+    def load_bytes(self) -> int:
+        return self.load_bytes_per_rank * self.tp_size
+
+    @property
+    def complete(self) -> bool:
+        """Every tier was visible: a private tier may only add to ``hit_tokens``."""
+        return all(tier.visible for tier in self.tiers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engine": self.engine,
+            "num_tokens": self.num_tokens,
+            "hit_tokens": self.hit_tokens,
+            "load_bytes": self.load_bytes,
+            "load_bytes_per_rank": self.load_bytes_per_rank,
+            "tp_size": self.tp_size,
+            "tier_index": self.tier_index,
+            "complete": self.complete,
+            "tiers": [
+                {
+                    "tier_index": t.tier_index,
+                    "kind": t.kind,
+                    "visible": t.visible,
+                    "hit_tokens": t.hit_tokens,
+                    "load_bytes_per_rank": t.load_bytes_per_rank,
+                    "load_bytes": t.load_bytes_per_rank * self.tp_size,
+                }
+                for t in self.tiers
+            ],
+        }
+
+
+class _Remembered:
+    """A tier view that asks each key once per query (the per-tier searches ask again
+    what the search over every tier asked)."""
+
+    def __init__(self, view: LookupView) -> None:
+        self.view = view
+        self.answers: dict[StoreKey, bool] = {}
+
+    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        answers = self.answers
+        todo = [key for key in keys if key not in answers]
+        if todo:
+            answers.update(zip(todo, self.view.contains_many(todo), strict=True))
+        return [answers[key] for key in keys]
+
+
+def engine_facts(card: EngineCard) -> EngineFacts:
+    return EngineFacts(
+        model_groups=card.model_groups,
+        alignment_tokens=card.alignment_tokens,
+        tp_size=card.tp_size,
+        use_eagle=card.use_eagle,
+        eagle_group_ids=frozenset(card.eagle_group_ids),
+        engine_key=card.engine_id,
+    )
+
+
+class EngineLookup:
+    """Lookups for one engine, from its card. Thread-safe (one query at a time).
+
+    ``opened``: lookup-only tiers already open in this process, shared with other
+    engines and closed by whoever owns the dict; without it this object owns the
+    tiers it opens (``close``).
+    """
+
+    def __init__(
+        self, name: str, card: EngineCard, *, opened: dict[TierConfig, Tier] | None = None
+    ) -> None:
+        self.name = name
+        self.card = card
+        lookup, self._owned = build_lookup(
+            card.connector_config(), engine_facts(card), opened=opened
+        )
+        if opened is not None:
+            self._owned = []
+        self._views = [
+            [None if v is None else _Remembered(v) for v in r] for r in lookup.tier_views
+        ]
+        self.lookup = KeyLookup(self._views, lookup.load_weights)
+        self.visible = tuple(view is not None for view in self._views[0])
+        self.search = HitSearch(
+            model_groups=card.model_groups,
+            tp_size=card.tp_size,
+            alignment_tokens=card.alignment_tokens,
+            use_eagle=card.use_eagle,
+            eagle_group_ids=card.eagle_group_ids or None,
+        )
+        self._lock = threading.Lock()
+
+    def chain(self, query: HitQuery) -> tuple[Sequence[BlockHash], int]:
+        """The query's chained block hashes with this engine's settings, and its length."""
+        size = self.card.model_groups.hash_block_size
+        if query.token_ids is not None:
+            hasher = RequestBlockHasher(
+                size,
+                algo=self.card.hash_algo,
+                cache_salt=query.cache_salt,
+                lora_name=query.lora_name,
+            )
+            hasher.extend(query.token_ids)
+            return hasher.block_hashes, len(query.token_ids)
+        assert query.block_hashes is not None
+        hashes = query.block_hashes
+        num_tokens = len(hashes) * size if query.num_tokens is None else query.num_tokens
+        problems = []
+        if num_tokens // size != len(hashes):
+            problems.append(
+                f"{len(hashes)} block hashes for num_tokens={num_tokens}: engine {self.name} "
+                f"hashes every {size} tokens, so give {num_tokens // size} hashes, or "
+                f"num_tokens in [{len(hashes) * size}, {(len(hashes) + 1) * size})"
+            )
+        digest_bytes = self.card.hash_algo.digest_bytes
+        wrong = sorted({len(h) for h in hashes if len(h) != digest_bytes})
+        if wrong:
+            problems.append(
+                f"block hashes of {wrong} bytes: engine {self.name} uses "
+                f"{self.card.hash_algo.value} ({digest_bytes} bytes)"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return hashes, num_tokens
+
+    def find(self, query: HitQuery) -> EngineHits:
+        """The engine's hit for ``query``, over every tier and per tier."""
+        chain, num_tokens = self.chain(query)
+        with self._lock:
+            try:
+                return self._find(chain, num_tokens)
+            finally:
+                for views in self._views:
+                    for view in views:
+                        if view is not None:
+                            view.answers.clear()
+
+    def _find(self, chain: Sequence[BlockHash], num_tokens: int) -> EngineHits:
+        max_hit_tokens = num_tokens - 1  # the engine computes at least the last token
+        weights = self.lookup.load_weights
+        if max_hit_tokens <= 0:
+            empty = Hit(0, ((),) * self.card.model_groups.num_groups)
+            union, per_tier = empty, [empty] * len(weights)
+        else:
+            union = self.search.search(self.lookup, chain, max_hit_tokens)
+            per_tier = [
+                self.search.search(self.lookup, chain, max_hit_tokens, tier_index=i)
+                for i in range(len(weights))
+            ]
+        tiers = tuple(
+            TierHit(
+                tier_index=i,
+                kind=config.kind,
+                visible=self.visible[i],
+                hit_tokens=hit.num_tokens,
+                load_bytes_per_rank=self.search.load_bytes(hit),
+            )
+            for i, (config, hit) in enumerate(zip(self.card.tiers, per_tier, strict=True))
+        )
+        best, tier_index = union, None
+        if self.card.selection is Selection.WHOLE_REQUEST and len(weights) > 1:
+            tier_index = pick_whole_request_tier([h.num_tokens for h in per_tier], weights)
+            best = per_tier[0] if tier_index is None else per_tier[tier_index]
+        return EngineHits(
+            engine=self.name,
+            num_tokens=num_tokens,
+            hit_tokens=best.num_tokens,
+            load_bytes_per_rank=self.search.load_bytes(best),
+            tp_size=self.card.tp_size,
+            tier_index=tier_index,
+            tiers=tiers,
+        )
+
+    def close(self) -> None:
+        for tier in self._owned:
+            tier.close()
+        self._owned = []
