@@ -22,7 +22,6 @@ import itertools
 import logging
 import os
 import time
-from typing import NamedTuple
 
 from hybridkv.tiers.base import TierStats
 from hybridkv.tiers.disk import segments
@@ -36,6 +35,7 @@ from hybridkv.tiers.disk.files import (
     unlink,
 )
 from hybridkv.tiers.disk.paths import DiskPaths, is_temp, segment_seq
+from hybridkv.tiers.disk.scan import ScanReport, SlotScan, scan_slots
 from hybridkv.tiers.disk.segments import SLOT_BYTES, SlotState, slot_offset
 from hybridkv.tiers.disk.table import Entry, Segment, SegmentTable
 from hybridkv.tiers.log_once import LogOnce
@@ -43,20 +43,6 @@ from hybridkv.tiers.log_once import LogOnce
 logger = logging.getLogger(__name__)
 
 REFRESH_EVERY_S = 1.0
-
-
-class ScanReport(NamedTuple):
-    """What the start-up scan found."""
-
-    num_objects: int
-    num_bytes: int
-    """Bytes of the segment files indexed."""
-    num_segments: int
-    num_quarantined: int
-    """Bad files plus damaged slots (counted in ``stats().corrupt`` too)."""
-    num_temp_removed: int
-    num_evicted: int
-    """Objects evicted to fit a capacity smaller than what was on disk."""
 
 
 class SegmentDirectory:
@@ -106,17 +92,21 @@ class SegmentDirectory:
             if isinstance(loaded, str):
                 bad.append((path, os.path.basename(path), loaded))
             else:
-                found.append((os.fstat(loaded.fd).st_mtime_ns, seq, loaded))
+                loaded.mtime_ns = os.fstat(loaded.fd).st_mtime_ns
+                found.append((loaded.mtime_ns, seq, loaded))
         if not self.read_only:
             for path, name, reason in bad:
                 self.quarantine.move(path, name, reason)
         num_bad = len(bad)
-        num_bad_slots = 0
-        for mtime_ns, _, segment in sorted(found, key=lambda t: t[:2]):  # LRU first
-            segment.mtime_ns = mtime_ns
-            self.last_mtime_ns = max(self.last_mtime_ns, mtime_ns)
+        ordered = [segment for *_, segment in sorted(found, key=lambda t: t[:2])]  # LRU first
+        for segment in ordered:
+            self.last_mtime_ns = max(self.last_mtime_ns, segment.mtime_ns)
             self.table.add(segment)
-            num_bad_slots += self.scan_slots(segment)
+        read = [self.read_slots(segment) for segment in ordered]
+        self.table.index.reserve(sum(len(r.live) for r in read if r is not None))  # exact size
+        num_bad_slots = sum(
+            self.scan_slots(segment, r) for segment, r in zip(ordered, read, strict=True) if r
+        )
         self.stats.corrupt += num_bad + num_bad_slots
         if not self.read_only:
             self.take_over()
@@ -166,35 +156,26 @@ class SegmentDirectory:
         segment.ready.set()
         return segment
 
-    def scan_slots(self, segment: Segment) -> int:
-        """Index the live slots of ``segment`` not handled yet; returns damaged ones."""
-        num_bad = 0
+    def scan_slots(self, segment: Segment, read: SlotScan | None = None) -> int:
+        """Index the live slots of ``segment`` not handled yet (``read``: its slots, if
+        read already); returns the damaged ones."""
+        if read is None:
+            read = self.read_slots(segment)
+        if read is None:
+            return 0
+        damaged = self.table.index_scan(segment, read)
+        for index, reason in damaged:
+            self.damaged(segment, index, reason)
+        return len(damaged)
+
+    def read_slots(self, segment: Segment) -> SlotScan | None:
+        """Its slots from ``next_slot`` on; None if they could not be read (logged)."""
         try:
             file_bytes = os.fstat(segment.fd).st_size
-            slots = list(
-                segments.read_slots(segment.fd, segment.header, segment.next_slot, file_bytes)
-            )
+            return scan_slots(segment.fd, segment.header, segment.next_slot, file_bytes)
         except OSError as exc:
             self.log.warning("scan", "scanning %s: %s", segment.path, exc)
-            return 0
-        first_empty = None
-        for index, slot in slots:
-            if slot is None:
-                first_empty = index if first_empty is None else first_empty
-                continue
-            if index in segment.seen_slots:
-                continue
-            if self.read_only:
-                segment.seen_slots.add(index)
-            if isinstance(slot, str):
-                num_bad += 1
-                self.damaged(segment, index, slot)
-            elif slot.state is SlotState.LIVE:
-                entry = Entry(segment, index, slot.offset, slot.length)
-                self.table.index_slot(slot.digest.hex(), entry)
-        last = slots[-1][0] + 1 if slots else segment.next_slot
-        segment.next_slot = last if first_empty is None else first_empty
-        return num_bad
+            return None
 
     def maybe_refresh(self, *, missing: bool) -> bool:
         """Read-only: rescan on a miss or after a while; True if it rescanned."""
@@ -351,7 +332,9 @@ class SegmentDirectory:
             data = os.pread(segment.fd, SLOT_BYTES, slot_offset(slot))
             if entry is None:
                 return data
-            return data + os.pread(segment.fd, min(entry.length, MAX_QUARANTINE_COPY), entry.offset)
+            stored = segments.parse_slot(data, segment.header, segment.size)  # dead by now
+            length = stored.length if isinstance(stored, segments.Slot) else entry.length
+            return data + os.pread(segment.fd, min(length, MAX_QUARANTINE_COPY), entry.offset)
 
         name = f"{digest}.kv" if digest else f"{os.path.basename(segment.path)}.slot{slot}"
         self.quarantine.keep_copy(name, reason, read)

@@ -56,7 +56,8 @@ _EMPTY, _LIVE, _DEAD = 0, 1, 2  # SlotState values, compared without enum lookup
 BYTES_PER_SLOT = 8192
 """Data bytes per table slot in a standard segment: objects smaller than this
 on average seal a segment before its data area is full."""
-_SCAN_CHUNK_SLOTS = 1024
+SCAN_CHUNK_SLOTS = 4096
+"""Slots a scan reads at a time; it stops after a chunk with none filled."""
 _ZEROS = memoryview(bytes(PAGE))
 
 
@@ -242,7 +243,7 @@ def read_slots(
     """Slots from ``first`` on, in chunks, stopping after a chunk with none filled."""
     index = first
     while index < header.num_slots:
-        count = min(_SCAN_CHUNK_SLOTS, header.num_slots - index)
+        count = min(SCAN_CHUNK_SLOTS, header.num_slots - index)
         raw = os.pread(fd, count * SLOT_BYTES, slot_offset(index))
         parsed = [
             parse_slot(raw[i * SLOT_BYTES : (i + 1) * SLOT_BYTES], header, file_bytes)

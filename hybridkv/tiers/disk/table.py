@@ -4,21 +4,34 @@ No I/O: ``DiskTier`` holds its lock around every call and does the file work
 the answers ask for (open a segment, unlink or reuse an evicted file, seal).
 A put reserves a slot and a page-aligned data range in the active segment;
 a new segment first evicts idle segments, least recently used first, and
-hands the first victim's file over for reuse.
+hands the first victim's file over for reuse. Objects are found by key digest
+in a ``DigestIndex`` (numpy rows, no Python object per object); each segment
+keeps the index row of each of its slots, to forget them all when it goes.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+import numpy.typing as npt
+
+from hybridkv.tiers.disk.index import MAX_OFFSET, NONE, DigestIndex, Digests, Rows, digest_words
 from hybridkv.tiers.disk.paths import DiskPaths
+from hybridkv.tiers.disk.scan import SlotScan
 from hybridkv.tiers.disk.segments import Geometry, SegmentHeader, align_up
 
-MIN_PART_BYTES = 1 << 20
-"""A get is cut into tasks for its I/O threads of at least this size."""
+SEEN = -2
+"""In ``Segment.rows``: a slot read and handled with nothing indexed (dead, damaged,
+forgotten, or its key indexed from another slot)."""
+
+
+def _no_rows() -> npt.NDArray[np.int32]:
+    return np.zeros(0, np.int32)
 
 
 @dataclass(eq=False)
@@ -30,7 +43,11 @@ class Segment:
     """Writer: next free slot. Read-only: first slot that may still be filled."""
     cursor: int = 0
     """Writer: next free data offset (page aligned)."""
-    digests: set[str] = field(default_factory=set)
+    number: int = NONE
+    """Its number in the index while the table holds it; NONE after."""
+    rows: npt.NDArray[np.int32] = field(default_factory=_no_rows)
+    """Per slot (as far as any is known): the index row of its object, ``SEEN``, or
+    NONE (empty, or not read yet: a read-only instance reads it again)."""
     pending: int = 0
     """Reservations whose bytes are being written."""
     readers: int = 0
@@ -48,8 +65,6 @@ class Segment:
     """While opening: the evicted segment whose file this one takes over."""
     reuse_seq: int = 0
     """The seq of that segment (0: a new file), kept for integrity checks."""
-    seen_slots: set[int] = field(default_factory=set)
-    """Read-only: filled slots already handled (rescans skip them)."""
     ready: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -67,18 +82,42 @@ class Segment:
     def idle(self) -> bool:
         return self.pending == 0 and self.readers == 0 and self.ready.is_set()
 
+    def handled(self, slots: Rows) -> npt.NDArray[np.bool_]:
+        """Whether each slot was read and handled before (``rows`` knows it)."""
+        known = np.zeros(len(slots), np.bool_)
+        inside = slots < len(self.rows)
+        known[inside] = self.rows[slots[inside]] != NONE
+        return known
+
+    def live_slots(self) -> Rows:
+        return np.flatnonzero(self.rows >= 0).astype(np.int64)
+
+    def mark(self, slots: Rows, values: Rows | int) -> None:
+        """Set ``rows`` of these slots, growing it (by doubling, within the table)."""
+        if not len(slots):
+            return
+        needed = int(slots.max()) + 1
+        if needed > len(self.rows):
+            size = min(self.header.num_slots, max(needed, 2 * len(self.rows)))
+            self.rows = np.concatenate([self.rows, np.full(size - len(self.rows), NONE, np.int32)])
+        self.rows[slots] = values
+
 
 class Entry(NamedTuple):
+    """Where a get finds one object."""
+
     segment: Segment
     slot: int
     offset: int
     length: int
+    """The payload's size as the get expects it (its buffer's): the slot on disk says
+    whether it holds that many."""
 
 
 class Reservation(NamedTuple):
     item: int
     """Index of the object in its put batch."""
-    digest: str
+    digest: bytes
     segment: Segment
     slot: int
     offset: int
@@ -105,9 +144,12 @@ class SegmentTable:
         self.capacity_bytes = capacity_bytes
         self.geometry = geometry
         self.segments: OrderedDict[int, Segment] = OrderedDict()
-        self.index: dict[str, Entry] = {}
-        """Hex key digest -> where its object lives."""
-        self.pending: set[str] = set()
+        self.index = DigestIndex()
+        """Key digest -> segment number, slot and payload offset."""
+        self._numbered: list[Segment | None] = []
+        """Segment number -> the segment the table holds under it."""
+        self._free_numbers: list[int] = []
+        self.pending: set[bytes] = set()
         """Digests of puts being written."""
         self.allocated = 0
         self.active: Segment | None = None
@@ -117,9 +159,18 @@ class SegmentTable:
 
     def add(self, segment: Segment) -> None:
         """A segment found on disk, as the most recently used."""
+        self._hold(segment)
+        self.next_seq = max(self.next_seq, segment.seq + 1)
+
+    def _hold(self, segment: Segment) -> None:
+        if self._free_numbers:
+            segment.number = self._free_numbers.pop()
+            self._numbered[segment.number] = segment
+        else:
+            segment.number = len(self._numbered)
+            self._numbered.append(segment)
         self.segments[segment.seq] = segment
         self.allocated += segment.size
-        self.next_seq = max(self.next_seq, segment.seq + 1)
 
     def holds(self, segment: Segment) -> bool:
         return self.segments.get(segment.seq) is segment
@@ -128,17 +179,65 @@ class SegmentTable:
         if self.holds(segment):
             self.segments.move_to_end(segment.seq)
 
-    def index_slot(self, digest: str, entry: Entry) -> bool:
-        """Index a live slot found by a scan; False if the key is indexed already."""
-        if digest in self.index:
-            return False
-        self.index[digest] = entry
-        entry.segment.digests.add(digest)
-        return True
+    # Lookups --------------------------------------------------------------------
 
-    def reserve(self, item: int, digest: str, num_bytes: int, work: FileWork) -> Reservation | str:
+    def entries(self, digests: Digests, lengths: list[int]) -> list[Entry | None]:
+        """Where each digest's object lives (``lengths``: the sizes the get expects)."""
+        rows = self.index.find(digests)
+        found = np.flatnonzero(rows >= 0)
+        entries: list[Entry | None] = [None] * len(rows)
+        numbers = self.index.segment(rows[found]).tolist()
+        slots = self.index.slot(rows[found]).tolist()
+        offsets = self.index.offset(rows[found]).tolist()
+        for j, number, slot, offset in zip(found.tolist(), numbers, slots, offsets, strict=True):
+            segment = self._numbered[number]
+            assert segment is not None
+            entries[j] = Entry(segment, slot, offset, lengths[j])
+        return entries
+
+    def entry(self, digest: bytes, length: int = 0) -> Entry | None:
+        return self.entries(digest_words(digest), [length])[0]
+
+    def segments_at(self, rows: Rows) -> list[Segment]:
+        """The segments holding the objects of these index rows (NONE: none)."""
+        numbers = np.unique(self.index.segment(rows[rows >= 0]))
+        return [s for s in (self._numbered[n] for n in numbers.tolist()) if s is not None]
+
+    def items(self) -> Iterator[tuple[bytes, Entry]]:
+        """Every indexed object (for integrity checks; ``length`` is 0: not kept)."""
+        rows = self.index.rows()
+        numbers, slots = self.index.segment(rows).tolist(), self.index.slot(rows).tolist()
+        offsets = self.index.offset(rows).tolist()
+        for row, number, slot, offset in zip(rows.tolist(), numbers, slots, offsets, strict=True):
+            segment = self._numbered[number]
+            assert segment is not None, f"row {row} names no segment"
+            yield self.index.digest(row), Entry(segment, slot, offset, 0)
+
+    # Scans ----------------------------------------------------------------------
+
+    def index_scan(self, segment: Segment, read: SlotScan) -> list[tuple[int, str]]:
+        """Index the live slots a scan of ``segment`` read (a key indexed already keeps
+        its object), leaving out slots handled before (a read-only instance reads slots
+        past a gap again); returns the damaged slots among the rest, for the caller."""
+        new = ~segment.handled(read.live)
+        self._index(segment, read.live[new], read.digests[new], read.offsets[new])
+        bad = np.array([i for i, _ in read.damaged], np.int64)
+        new_bad = ~segment.handled(bad)
+        segment.mark(np.concatenate([read.dead[~segment.handled(read.dead)], bad[new_bad]]), SEEN)
+        segment.next_slot = read.next_slot
+        return [d for d, new in zip(read.damaged, new_bad.tolist(), strict=True) if new]
+
+    def _index(self, segment: Segment, slots: Rows, digests: Digests, offsets: Rows) -> None:
+        rows = self.index.insert(digests, segment.number, slots, offsets)
+        segment.mark(slots, np.where(rows >= 0, rows, SEEN))
+
+    # Puts -----------------------------------------------------------------------
+
+    def reserve(
+        self, item: int, digest: bytes, num_bytes: int, work: FileWork
+    ) -> Reservation | str:
         """Room for one object, or "exists" / "full"; file work goes into ``work``."""
-        entry = self.index.get(digest)
+        entry = self.entry(digest)
         if entry is not None:
             self.use(entry.segment)
             return "exists"
@@ -171,9 +270,12 @@ class SegmentTable:
         segment.superseded = True
         if self.active is segment:
             self.active = None
+        marked = np.flatnonzero(segment.rows != NONE)
+        end = max(segment.next_slot, int(marked[-1]) + 1 if len(marked) else 0)
+        segment.rows = segment.rows[:end].copy()  # no more slots come: no slack
 
     def _new_segment(self, geometry: Geometry, work: FileWork) -> Segment | None:
-        if geometry.size > self.capacity_bytes:
+        if geometry.size > min(self.capacity_bytes, MAX_OFFSET):
             return None
         victims: list[Segment] = []
         while self.allocated + geometry.size > self.capacity_bytes:
@@ -189,8 +291,7 @@ class SegmentTable:
         segment.cursor = geometry.data_offset
         if victims:
             segment.reuse, segment.reuse_seq = victims[0], victims[0].seq  # its file is ours
-        self.segments[seq] = segment
-        self.allocated += geometry.size
+        self._hold(segment)
         work.to_open.append(segment)
         work.discarded.extend(victims[1:])
         return segment
@@ -198,85 +299,63 @@ class SegmentTable:
     def commit_part(self, part: list[Reservation], written: bool) -> int:
         """Index the reservations of one written part (all of one segment, or none
         written); returns how many were indexed."""
-        pending, index = self.pending, self.index
         for r in part:
             r.segment.pending -= 1
-            pending.discard(r.digest)
+            self.pending.discard(r.digest)
         if not written or not part or not self.holds(part[0].segment):
             return 0
         segment = part[0].segment
-        digests = segment.digests
-        for r in part:
-            index[r.digest] = Entry(segment, r.slot, r.offset, r.length)
-            digests.add(r.digest)
+        slots = np.array([r.slot for r in part], np.int64)
+        offsets = np.array([r.offset for r in part], np.int64)
+        digests = digest_words(b"".join(r.digest for r in part))
+        self._index(segment, slots, digests, offsets)
         return len(part)
+
+    # Removals -------------------------------------------------------------------
 
     def evict(self, segment: Segment, *, count: bool = True) -> None:
         """Forget a segment and its objects (its file is the caller's business)."""
-        for digest in segment.digests:
-            self.index.pop(digest, None)
+        rows = segment.rows[segment.rows >= 0].astype(np.int64)
+        self.index.remove(rows)
         if count:
-            self.num_evicted += len(segment.digests)
-        segment.digests.clear()
+            self.num_evicted += len(rows)
+        segment.rows = _no_rows()
         del self.segments[segment.seq]
+        self._numbered[segment.number] = None
+        self._free_numbers.append(segment.number)
+        segment.number = NONE
         self.allocated -= segment.size
         if self.active is segment:
             self.active = None
 
-    def forget(self, digest: str, entry: Entry) -> None:
-        if self.index.get(digest) is entry:
-            del self.index[digest]
-            entry.segment.digests.discard(digest)
+    def forget(self, digest: bytes, entry: Entry) -> None:
+        """Drop the object of ``digest`` if it is still the one ``entry`` found."""
+        now = self.entry(digest)
+        if now is None or (now.segment, now.slot) != (entry.segment, entry.slot):
+            return
+        row = entry.segment.rows[entry.slot : entry.slot + 1].astype(np.int64)
+        self.index.remove(row)
+        entry.segment.rows[entry.slot] = SEEN
 
     def lru_idle(self) -> Segment | None:
         return next((s for s in self.segments.values() if s.idle), None)
 
     def check(self) -> None:
         """Raise AssertionError if index, segments and counters disagree."""
-        assert len(self.pending) == sum(s.pending for s in self.segments.values())
-        assert all(s.readers >= 0 and s.pending >= 0 for s in self.segments.values())
-        for digest, entry in self.index.items():
-            assert self.holds(entry.segment), digest
-            assert digest in entry.segment.digests, digest
-        assert sum(len(s.digests) for s in self.segments.values()) == len(self.index)
-        expected = sum(s.size for s in self.segments.values())
+        held = list(self.segments.values())
+        assert len(self.pending) == sum(s.pending for s in held)
+        assert all(s.readers >= 0 and s.pending >= 0 for s in held)
+        self.index.check()
+        numbered = {n: s for n, s in enumerate(self._numbered) if s is not None}
+        assert numbered == {s.number: s for s in held}, "segment numbers differ from segments"
+        assert sorted(self._free_numbers) == [n for n, s in enumerate(self._numbered) if s is None]
+        num_live = 0
+        for segment in held:
+            slots = segment.live_slots()
+            rows = segment.rows[slots].astype(np.int64)
+            assert np.all(self.index.segment(rows) == segment.number), segment.path
+            assert np.array_equal(self.index.slot(rows), slots), segment.path
+            num_live += len(slots)
+        assert num_live == len(self.index), f"{num_live} live slots, {len(self.index)} indexed"
+        expected = sum(s.size for s in held)
         assert self.allocated == expected, f"allocated {self.allocated} != {expected}"
-
-
-def follows(last: Entry | Reservation | None, this: Entry | Reservation) -> bool:
-    """Whether ``this`` is in the slot after ``last``'s, in the same segment."""
-    return last is not None and last.segment is this.segment and last.slot + 1 == this.slot
-
-
-def runs(reservations: list[Reservation]) -> list[list[Reservation]]:
-    """Reservations grouped into runs of consecutive slots of one segment."""
-    grouped: list[list[Reservation]] = []
-    for r in sorted(reservations, key=lambda r: (r.segment.seq, r.slot)):
-        if follows(grouped[-1][-1] if grouped else None, r):
-            grouped[-1].append(r)
-        else:
-            grouped.append([r])
-    return grouped
-
-
-def read_tasks(
-    found: list[tuple[int, Entry]], num_tasks: int
-) -> list[list[list[tuple[int, Entry]]]]:
-    """(item, entry) pairs of a get cut into up to ``num_tasks`` tasks of similar bytes,
-    one per I/O thread; a task is a list of runs of consecutive slots of one segment
-    (a run cut where one task ends goes on in the next). One task per thread, not one
-    per run: with a task per run, a run of two objects at a segment's end was a task
-    of its own, and one thread often read both big ones after it."""
-    ordered = sorted(found, key=lambda pair: (pair[1].segment.seq, pair[1].slot))
-    total = sum(entry.length for _, entry in ordered)
-    num_tasks = max(1, min(num_tasks, len(ordered), total // MIN_PART_BYTES))
-    tasks: list[list[list[tuple[int, Entry]]]] = [[] for _ in range(num_tasks)]
-    before = 0
-    for item, entry in ordered:
-        task = tasks[before * num_tasks // total] if total else tasks[0]
-        if follows(task[-1][-1][1] if task else None, entry):
-            task[-1].append((item, entry))
-        else:
-            task.append([(item, entry)])
-        before += entry.length
-    return [task for task in tasks if task]

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import numpy as np
+
 from hybridkv.tiers.base import (
     Buffer,
     GetStatus,
@@ -33,14 +35,17 @@ from hybridkv.tiers.base import (
     TierUsage,
     check_batch,
 )
-from hybridkv.tiers.codec import HeaderError, key_digest
-from hybridkv.tiers.disk import preads, reads, segments
+from hybridkv.tiers.codec import HeaderError, key_digest, key_digests
+from hybridkv.tiers.disk import index, preads, reads, segments
+from hybridkv.tiers.disk.batches import read_tasks, runs
 from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
-from hybridkv.tiers.disk.directory import ScanReport, SegmentDirectory
+from hybridkv.tiers.disk.directory import SegmentDirectory
 from hybridkv.tiers.disk.files import (
     DiskTierInUse,
     Quarantine,
 )
+from hybridkv.tiers.disk.index import Rows, digest_words
+from hybridkv.tiers.disk.scan import ScanReport
 from hybridkv.tiers.disk.segments import (
     SLOT_BYTES,
     Geometry,
@@ -48,15 +53,7 @@ from hybridkv.tiers.disk.segments import (
     SlotState,
     slot_offset,
 )
-from hybridkv.tiers.disk.table import (
-    Entry,
-    FileWork,
-    Reservation,
-    Segment,
-    SegmentTable,
-    read_tasks,
-    runs,
-)
+from hybridkv.tiers.disk.table import Entry, FileWork, Reservation, Segment, SegmentTable
 from hybridkv.tiers.log_once import LogOnce
 
 __all__ = ["DiskConfig", "DiskTier", "DiskTierInUse", "FsyncPolicy", "ScanReport"]
@@ -99,6 +96,7 @@ class DiskTier(Tier):
             self._dir.close_files()
             raise
         preads.warm_up()  # compiled (or loaded) now, not on the first get
+        index.warm_up()
         self._pool = (
             ThreadPoolExecutor(self._num_io_threads, thread_name_prefix=f"hybridkv-{name}")
             if self._num_io_threads > 1
@@ -110,21 +108,22 @@ class DiskTier(Tier):
         return self._dir.quarantine
 
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
-        digests = [key_digest(key).hex() for key in keys]
+        digests = digest_words(key_digests(keys))
         with self._lock:
             self._check_open()
-            index = self._table.index
-            found = [digest in index for digest in digests]
-            if self._dir.maybe_refresh(missing=not all(found)) or self._any_lost(digests):
-                found = [digest in index for digest in digests]
+            rows = self._table.index.find(digests)
+            if self._dir.maybe_refresh(missing=bool((rows < 0).any())) or self._any_lost(rows):
+                rows = self._table.index.find(digests)
+            found = rows >= 0
             self._stats.queries += len(keys)
-            self._stats.hits += sum(found)
-        return found
+            self._stats.hits += int(np.count_nonzero(found))
+        answers: list[bool] = found.tolist()
+        return answers
 
-    def _any_lost(self, digests: Sequence[str]) -> bool:
-        """Drop the segments of these digests whose files were removed from outside."""
-        index, lost = self._table.index, False
-        for segment in {e.segment for d in digests if (e := index.get(d)) is not None}:
+    def _any_lost(self, rows: Rows) -> bool:
+        """Drop the segments of these index rows whose files were removed from outside."""
+        lost = False
+        for segment in self._table.segments_at(rows):
             try:
                 self._dir.removed(segment)
             except OSError:
@@ -145,11 +144,12 @@ class DiskTier(Tier):
         results: list[PutStatus] = [PutStatus.OK] * len(keys)
         reservations: list[Reservation] = []
         work = FileWork()
-        digests = [key_digest(key).hex() for key in keys]
+        digests = [key_digest(key) for key in keys]
         with self._lock:
             self._check_open()
             self._dir.sweep()
-            self._any_lost(digests)  # a key whose file was removed is stored again
+            # A key whose file was removed from outside is stored again.
+            self._any_lost(self._table.index.find(digest_words(b"".join(digests))))
             for item, (digest, buf) in enumerate(zip(digests, buffers, strict=True)):
                 reserved = self._table.reserve(item, digest, len(buf), work)
                 if isinstance(reserved, Reservation):
@@ -167,9 +167,8 @@ class DiskTier(Tier):
         for segment in work.to_open:
             self._dir.open(segment)
         # A part per run of slots, never less: the kernel serializes buffered writes to
-        # one file, so two threads writing halves of a run took turns, and only added
-        # hand-offs (disk put 0.70-0.73 of a plain write with runs cut in two, 0.75-0.84
-        # whole). Runs in other segment files go to the I/O threads.
+        # one file, so two threads writing halves of a run take turns and only add
+        # hand-offs (README, Performance). Runs in other segment files go to the I/O threads.
         parts = runs(reservations)
         for run in parts:
             run[0].segment.ready.wait()  # another call may be preparing it
@@ -219,19 +218,20 @@ class DiskTier(Tier):
         reads (slots checked, payloads read and hashed) go to the I/O threads (see
         ``disk.reads``)."""
         check_batch(keys, buffers)
-        raw_digests = [key_digest(key) for key in keys]
-        digests = [digest.hex() for digest in raw_digests]
+        joined = key_digests(keys)
+        digests = [joined[i : i + 16] for i in range(0, len(joined), 16)]
+        words = digest_words(joined)
+        lengths = [len(buf) for buf in buffers]
         with self._lock:
             self._check_open()
-            index = self._table.index
-            found = [index.get(digest) for digest in digests]
+            found = self._table.entries(words, lengths)
             if self._dir.maybe_refresh(missing=None in found):
-                found = [index.get(digest) for digest in digests]
+                found = self._table.entries(words, lengths)
             todo = [(j, entry) for j, entry in enumerate(found) if entry is not None]
             for _, entry in todo:
                 entry.segment.readers += 1
         tasks = read_tasks(todo, self._num_io_threads)
-        planned = [[self._plan(run, raw_digests, buffers) for run in task] for task in tasks]
+        planned = [[self._plan(run, digests, buffers) for run in task] for task in tasks]
         done = self._map(lambda i: [_read(run) for run in planned[i]], len(tasks))
         outcome_of = {
             j: outcome
@@ -282,7 +282,7 @@ class DiskTier(Tier):
         return reads.verify_run(planned, read, reader=self.read_only)
 
     def _finish_get(
-        self, digest: str, entry: Entry, key: StoreKey, num_bytes: int, outcome: reads.Outcome
+        self, digest: bytes, entry: Entry, key: StoreKey, num_bytes: int, outcome: reads.Outcome
     ) -> GetStatus:
         if outcome is None:
             self._stats.gets += 1
@@ -298,7 +298,7 @@ class DiskTier(Tier):
         self._stats.corrupt += 1
         self._table.forget(digest, entry)
         reason = outcome.value if isinstance(outcome, HeaderError) else outcome
-        self._dir.damaged(entry.segment, entry.slot, str(reason), digest=digest, entry=entry)
+        self._dir.damaged(entry.segment, entry.slot, str(reason), digest=digest.hex(), entry=entry)
         return GetStatus.CORRUPT
 
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
@@ -307,8 +307,8 @@ class DiskTier(Tier):
         with self._lock:
             self._check_open()
             for key in keys:
-                digest = key_digest(key).hex()
-                entry = self._table.index.get(digest)
+                digest = key_digest(key)
+                entry = self._table.entry(digest)
                 if entry is None or digest in self._table.pending:
                     continue
                 self._table.forget(digest, entry)
@@ -364,13 +364,12 @@ class DiskTier(Tier):
             self._table.check()
             if not self.read_only:
                 self._dir.check_files()
-            for digest, entry in self._table.index.items():
+            for digest, entry in self._table.items():
                 segment = entry.segment
                 raw = os.pread(segment.fd, SLOT_BYTES, slot_offset(entry.slot))
                 slot = segments.parse_slot(raw, segment.header, segment.size)
                 assert isinstance(slot, Slot) and slot.state is SlotState.LIVE, (digest, slot)
-                found = (slot.digest.hex(), slot.offset, slot.length)
-                assert found == (digest, entry.offset, entry.length), digest
+                assert (slot.digest, slot.offset) == (digest, entry.offset), digest.hex()
 
 
 def _read(planned: reads.PlannedRun | reads.Outcome) -> preads.RunRead | None:

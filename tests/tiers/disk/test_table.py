@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridkv.tiers.disk.batches import read_tasks, runs
 from hybridkv.tiers.disk.paths import DiskPaths
 from hybridkv.tiers.disk.segments import PAGE, Geometry
-from hybridkv.tiers.disk.table import (
-    Entry,
-    FileWork,
-    Reservation,
-    SegmentTable,
-    read_tasks,
-    runs,
-)
+from hybridkv.tiers.disk.table import Entry, FileWork, Reservation, SegmentTable
 
 SEGMENT = Geometry.standard(2 * PAGE + 2 * 8192)  # two 8 KiB objects per segment
 NOWHERE = DiskPaths(Path("/nowhere"))
+
+
+def digest(name: str) -> bytes:
+    """A key digest standing for the key ``name``."""
+    return name.encode().ljust(16, b".")
+
+
+def indexed(t: SegmentTable) -> set[str]:
+    return {found.rstrip(b".").decode() for found, _ in t.items()}
 
 
 def table(num_segments: int) -> SegmentTable:
@@ -32,7 +35,7 @@ def open_all(work: FileWork) -> None:
 
 def put(t: SegmentTable, name: str, num_bytes: int = 8192) -> tuple[Reservation | str, FileWork]:
     work = FileWork()
-    reserved = t.reserve(0, name, num_bytes, work)
+    reserved = t.reserve(0, digest(name), num_bytes, work)
     open_all(work)
     if isinstance(reserved, Reservation):
         assert t.commit_part([reserved], written=True) == 1
@@ -58,17 +61,19 @@ def test_the_least_recently_used_idle_segment_is_evicted_and_its_file_reused() -
     t = table(2)
     for name in "abcd":  # A = (a, b), B = (c, d)
         put(t, name)
-    segment_a, segment_b = t.index["a"].segment, t.index["c"].segment
+    a, c = t.entry(digest("a")), t.entry(digest("c"))
+    assert a is not None and c is not None
+    segment_a, segment_b = a.segment, c.segment
     t.use(segment_a)  # a hit: B is now the least recently used
     work = FileWork()
-    reserved = t.reserve(0, "e", 8192, work)
+    reserved = t.reserve(0, digest("e"), 8192, work)
     assert isinstance(reserved, Reservation) and work.to_open == [reserved.segment]
     assert reserved.segment.reuse is segment_b and work.discarded == []
     assert segment_b.seq not in t.segments and segment_a.seq in t.segments
-    assert set(t.index) == {"a", "b"} and t.num_evicted == 2
+    assert indexed(t) == {"a", "b"} and t.num_evicted == 2
     open_all(work)
     assert t.commit_part([reserved], written=True) == 1
-    assert set(t.index) == {"a", "b", "e"}
+    assert indexed(t) == {"a", "b", "e"}
     t.check()
 
 
@@ -80,7 +85,7 @@ def test_busy_segments_are_not_evicted_and_the_put_is_full() -> None:
         segment.readers += 1  # both being read
     reserved, work = put(t, "e")
     assert reserved == "full" and work.to_open == [] and work.discarded == []
-    assert set(t.index) == set("abcd")
+    assert indexed(t) == set("abcd")
     for segment in t.segments.values():
         segment.readers -= 1
     t.check()
@@ -95,20 +100,20 @@ def test_a_big_object_evicts_several_segments_and_reuses_the_first_file() -> Non
     assert isinstance(reserved, Reservation) and reserved.segment.superseded
     assert reserved.segment.size == Geometry.dedicated(3 * SEGMENT.data_bytes).size
     assert work.discarded == segments_before[1:3]  # the first victim's file was taken over
-    assert set(t.index) == {"big"} and t.num_evicted == 6
+    assert indexed(t) == {"big"} and t.num_evicted == 6
     t.check()
 
 
 def test_runs_follow_consecutive_slots() -> None:
     t = table(8)
     work = FileWork()
-    reserved = [t.reserve(i, f"k{i}", 8192, work) for i in range(3)]
+    reserved = [t.reserve(i, digest(f"k{i}"), 8192, work) for i in range(3)]
     assert all(isinstance(r, Reservation) for r in reserved)
     grouped = runs([r for r in reversed(reserved) if isinstance(r, Reservation)])
     assert [[r.item for r in run] for run in grouped] == [[0, 1], [2]]  # two segments
     big = Geometry.standard(64 << 20)
     t2 = SegmentTable(NOWHERE, 64 << 20, big)
-    many = [t2.reserve(i, f"m{i}", 1 << 20, FileWork()) for i in range(8)]
+    many = [t2.reserve(i, digest(f"m{i}"), 1 << 20, FileWork()) for i in range(8)]
     run = [r for r in many if isinstance(r, Reservation)]
     assert [[r.item for r in run] for run in runs(run)] == [list(range(8))]
 
@@ -118,7 +123,7 @@ def test_a_get_is_cut_into_one_task_per_thread_of_similar_bytes() -> None:
     t = SegmentTable(NOWHERE, 3 * big.size, big)
     work = FileWork()
     # 70 objects of 1 MiB: two segments' worth (63 and 7), so two runs of slots.
-    reserved = [t.reserve(i, f"k{i}", 1 << 20, work) for i in range(70)]
+    reserved = [t.reserve(i, digest(f"k{i}"), 1 << 20, work) for i in range(70)]
     open_all(work)
     assert all(isinstance(r, Reservation) for r in reserved)
     entries = {r.item: Entry(r.segment, r.slot, r.offset, r.length) for r in reserved}  # type: ignore[union-attr]
