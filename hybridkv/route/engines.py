@@ -91,11 +91,17 @@ def engine_names(paths: Sequence[Path]) -> dict[str, Path]:
 
 
 class Engines:
-    """Every engine of a service, by name. Thread-safe."""
+    """Every engine of a service, by name. Thread-safe.
 
-    def __init__(self, cards: dict[str, Path]) -> None:
+    ``opened``: lookup-only tiers this process opened already, by config (a pool
+    client it has); ``close`` closes them with the tiers the engines opened.
+    """
+
+    def __init__(
+        self, cards: dict[str, Path], *, opened: dict[TierConfig, Tier] | None = None
+    ) -> None:
         self.entries = {name: EngineEntry(name, path) for name, path in cards.items()}
-        self._opened: dict[TierConfig, Tier] = {}
+        self._opened: dict[TierConfig, Tier] = dict(opened or {})
         self._lock = threading.Lock()
 
     def refresh(self) -> list[EngineEntry]:

@@ -22,17 +22,17 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.connector.card import EngineCard
-from hybridkv.connector.lookup import KeyLookup, LookupView
+from hybridkv.connector.lookup import LookupView
 from hybridkv.connector.search import HitSearch
 from hybridkv.connector.setup import EngineFacts, build_lookup
 from hybridkv.hits import Hit
-from hybridkv.keys import BlockHash, RequestBlockHasher
+from hybridkv.keys import BlockHash, RequestBlockHasher, encode_token_ids
 from hybridkv.tiers.base import StoreKey, Tier
 from hybridkv.tiers.registry import TierConfig
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class HitQuery:
     """A prompt: its token ids (hashed with each engine's settings, its ``cache_salt``
     and ``lora_name``), or the chained block hashes already computed with the
@@ -40,6 +40,7 @@ class HitQuery:
     cover, which may under-count one hit block when the prompt is longer)."""
 
     token_ids: Sequence[int] | npt.NDArray[np.integer] | None = None
+    """Kept as little-endian int64 (TypeError or ValueError for anything else)."""
     block_hashes: Sequence[BlockHash] | None = None
     num_tokens: int | None = None
     cache_salt: str | None = None
@@ -60,6 +61,8 @@ class HitQuery:
             problems.append(f"num_tokens={self.num_tokens} must be >= 0")
         if problems:
             raise ValueError("; ".join(problems))
+        if self.token_ids is not None:  # checked and encoded once, hashed per engine
+            object.__setattr__(self, "token_ids", encode_token_ids(self.token_ids))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,20 +126,48 @@ class EngineHits:
         }
 
 
-class _Remembered:
-    """A tier view that asks each key once per query (the per-tier searches ask again
-    what the search over every tier asked)."""
+class _VisibleTiers:
+    """Every rank's tiers this process can see, answering as the scheduler's
+    ``KeyLookup`` does when nothing was reported: a tier it cannot see holds nothing.
+    Remembers each tier's answers for one query (``forget``): the per-tier searches
+    ask again what another search asked."""
 
-    def __init__(self, view: LookupView) -> None:
-        self.view = view
-        self.answers: dict[StoreKey, bool] = {}
+    def __init__(self, tier_views: Sequence[Sequence[LookupView | None]]) -> None:
+        self.views = [list(views) for views in tier_views]
+        self.answers: list[list[dict[StoreKey, bool]]] = [
+            [{} for _ in views] for views in tier_views
+        ]
 
-    def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
-        answers = self.answers
-        todo = [key for key in keys if key not in answers]
-        if todo:
-            answers.update(zip(todo, self.view.contains_many(todo), strict=True))
-        return [answers[key] for key in keys]
+    def contains_many(
+        self, keys: Sequence[StoreKey], *, rank: int = 0, tier_index: int | None = None
+    ) -> list[bool]:
+        views = self.views[rank]
+        indices = range(len(views)) if tier_index is None else (tier_index,)
+        found = [False] * len(keys)
+        todo = list(range(len(keys)))
+        for i in indices:
+            if not todo:
+                break
+            if views[i] is None:
+                continue
+            answers = self._ask(rank, i, [keys[k] for k in todo])
+            for k, hit in zip(todo, answers, strict=True):
+                found[k] = hit
+            todo = [k for k in todo if not found[k]]
+        return found
+
+    def _ask(self, rank: int, tier_index: int, keys: list[StoreKey]) -> list[bool]:
+        view, memo = self.views[rank][tier_index], self.answers[rank][tier_index]
+        assert view is not None
+        new = [key for key in keys if key not in memo]
+        if new:
+            memo.update(zip(new, view.contains_many(new), strict=True))
+        return [memo[key] for key in keys]
+
+    def forget(self) -> None:
+        for answers in self.answers:
+            for memo in answers:
+                memo.clear()
 
 
 def engine_facts(card: EngineCard) -> EngineFacts:
@@ -168,11 +199,9 @@ class EngineLookup:
         )
         if opened is not None:
             self._owned = []
-        self._views = [
-            [None if v is None else _Remembered(v) for v in r] for r in lookup.tier_views
-        ]
-        self.lookup = KeyLookup(self._views, lookup.load_weights)
-        self.visible = tuple(view is not None for view in self._views[0])
+        self.tiers = _VisibleTiers(lookup.tier_views)
+        self.load_weights = lookup.load_weights
+        self.visible = tuple(view is not None for view in lookup.tier_views[0])
         self.search = HitSearch(
             model_groups=card.model_groups,
             tp_size=card.tp_size,
@@ -222,46 +251,44 @@ class EngineLookup:
             try:
                 return self._find(chain, num_tokens)
             finally:
-                for views in self._views:
-                    for view in views:
-                        if view is not None:
-                            view.answers.clear()
+                self.tiers.forget()
 
     def _find(self, chain: Sequence[BlockHash], num_tokens: int) -> EngineHits:
         max_hit_tokens = num_tokens - 1  # the engine computes at least the last token
-        weights = self.lookup.load_weights
-        if max_hit_tokens <= 0:
-            empty = Hit(0, ((),) * self.card.model_groups.num_groups)
-            union, per_tier = empty, [empty] * len(weights)
-        else:
-            union = self.search.search(self.lookup, chain, max_hit_tokens)
-            per_tier = [
-                self.search.search(self.lookup, chain, max_hit_tokens, tier_index=i)
-                for i in range(len(weights))
-            ]
+        visible = [i for i, seen in enumerate(self.visible) if seen]
+        per_tier: dict[int, Hit] = {}  # a tier not seen here holds nothing
+        best: Hit | None = None
+        if max_hit_tokens > 0 and len(visible) == 1:  # that tier's hit is the engine's
+            best = per_tier[visible[0]] = self._search(chain, max_hit_tokens, None)
+        elif max_hit_tokens > 0 and visible:
+            per_tier = {i: self._search(chain, max_hit_tokens, i) for i in visible}
+            best = self._search(chain, max_hit_tokens, None)
         tiers = tuple(
             TierHit(
                 tier_index=i,
                 kind=config.kind,
                 visible=self.visible[i],
-                hit_tokens=hit.num_tokens,
-                load_bytes_per_rank=self.search.load_bytes(hit),
+                hit_tokens=0 if i not in per_tier else per_tier[i].num_tokens,
+                load_bytes_per_rank=0 if i not in per_tier else self.search.load_bytes(per_tier[i]),
             )
-            for i, (config, hit) in enumerate(zip(self.card.tiers, per_tier, strict=True))
+            for i, config in enumerate(self.card.tiers)
         )
-        best, tier_index = union, None
-        if self.card.selection is Selection.WHOLE_REQUEST and len(weights) > 1:
-            tier_index = pick_whole_request_tier([h.num_tokens for h in per_tier], weights)
-            best = per_tier[0] if tier_index is None else per_tier[tier_index]
+        tier_index = None
+        if self.card.selection is Selection.WHOLE_REQUEST and len(tiers) > 1:
+            tier_index = pick_whole_request_tier([t.hit_tokens for t in tiers], self.load_weights)
+            best = per_tier.get(0 if tier_index is None else tier_index)
         return EngineHits(
             engine=self.name,
             num_tokens=num_tokens,
-            hit_tokens=best.num_tokens,
-            load_bytes_per_rank=self.search.load_bytes(best),
+            hit_tokens=0 if best is None else best.num_tokens,
+            load_bytes_per_rank=0 if best is None else self.search.load_bytes(best),
             tp_size=self.card.tp_size,
             tier_index=tier_index,
             tiers=tiers,
         )
+
+    def _search(self, chain: Sequence[BlockHash], max_hit_tokens: int, tier: int | None) -> Hit:
+        return self.search.search(self.tiers, chain, max_hit_tokens, tier_index=tier)
 
     def close(self) -> None:
         for tier in self._owned:

@@ -102,6 +102,7 @@ def answer(engines: Engines, body: object) -> dict[str, Any]:
 class _Handler(BaseHTTPRequestHandler):
     server: RouteServer
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as two writes
 
     def do_GET(self) -> None:
         if self.path == "/health":

@@ -102,6 +102,10 @@ def test_a_query_is_one_of_tokens_or_hashes() -> None:
         HitQuery(block_hashes=[], cache_salt="s")
     with pytest.raises(ValueError, match="num_tokens goes with block_hashes"):
         HitQuery(token_ids=[1], num_tokens=1)
+    with pytest.raises(ValueError, match="token id -1 is negative"):
+        HitQuery(token_ids=[1, -1])
+    with pytest.raises(TypeError, match="must be integers"):
+        HitQuery(token_ids=[1.5])
 
 
 # --- property: for random stores, the lookup equals the scheduler's ------------------------
@@ -120,12 +124,14 @@ MODEL_GROUPS = [
 ]
 
 
-def disk_tiers(root: Path) -> list[dict[str, Any]]:
-    return [
-        {"kind": "cpu", "capacity_bytes": "1MiB"},
+def disk_tiers(root: Path, num_disks: int) -> list[dict[str, Any]]:
+    """A CPU tier (private: neither the scheduler in another process nor the lookup sees
+    it) and ``num_disks`` disk tiers, the first one cheaper."""
+    disks = [
         {"kind": "disk", "path": str(root / "a"), "capacity_bytes": "1MiB", "load_weight": 2},
         {"kind": "disk", "path": str(root / "b"), "capacity_bytes": "1MiB", "load_weight": 5},
     ]
+    return [{"kind": "cpu", "capacity_bytes": "1MiB"}, *disks[:num_disks]]
 
 
 def put_random_blocks(
@@ -179,7 +185,7 @@ def scheduler_answer(
     return hit, load_bytes
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shape=st.sampled_from(range(len(MODEL_GROUPS))),
     num_tokens=st.integers(0, 70),
@@ -188,6 +194,7 @@ def scheduler_answer(
     selection=st.sampled_from(["per_block", "whole_request"]),
     use_eagle=st.booleans(),
     seed=st.integers(0, 2**16),
+    num_disks=st.sampled_from([0, 1, 2]),
 )
 def test_for_random_stores_the_lookup_equals_the_scheduler(
     shape: int,
@@ -197,6 +204,7 @@ def test_for_random_stores_the_lookup_equals_the_scheduler(
     selection: str,
     use_eagle: bool,
     seed: int,
+    num_disks: int,
 ) -> None:
     model_groups = MODEL_GROUPS[shape]
     use_eagle = use_eagle and all(g.kind is not M for g in model_groups.groups)
@@ -209,7 +217,7 @@ def test_for_random_stores_the_lookup_equals_the_scheduler(
     )
     with tempfile.TemporaryDirectory() as root:
         config = ConnectorConfig.from_dict(
-            {"tiers": disk_tiers(Path(root)), "selection": selection}
+            {"tiers": disk_tiers(Path(root), num_disks), "selection": selection}
         )
         put_random_blocks(config, model_groups, tokens, salt, tp_size, np.random.default_rng(seed))
         expected = scheduler_answer(config, facts, tokens, salt)
