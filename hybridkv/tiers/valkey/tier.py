@@ -13,9 +13,11 @@ With ``cluster``, keys are spread over the shards of a Valkey Cluster by
 hash slot (``cluster.SlotMap``, read from ``CLUSTER SLOTS``): a call sends
 one pipeline to each shard it touches, then reads each shard's replies.
 
-A server that refuses the configured user or password is a configuration
-error, raised once at start (``ValkeyAuthError``, never showing the
-password). Other failures are values: socket timeouts (``op_timeout_s``)
+A server that refuses the configured user or password, a TLS file that
+does not load, a server certificate that does not verify, or a refused TLS
+handshake is a configuration error, raised once at start (``access``:
+``ValkeyAuthError`` never showing the password, ``ValkeyTLSError``). Other
+failures are values: socket timeouts (``op_timeout_s``)
 bound every call, a dead or hung server (any shard) marks the tier unhealthy
 (``HealthGate``) and calls answer miss/ERROR at once until a background PING
 of every shard succeeds. A server at ``maxmemory`` under ``noeviction``
@@ -46,15 +48,12 @@ from hybridkv.tiers.codec import HEADER_BYTES, pack_header, verify_object
 from hybridkv.tiers.health import HealthGate
 from hybridkv.tiers.log_once import LogOnce
 from hybridkv.tiers.memory import allocate_arena
+from hybridkv.tiers.valkey.access import check_tls_files, refusal
 from hybridkv.tiers.valkey.cluster import REDIRECTS, Node, SlotMap
 from hybridkv.tiers.valkey.config import TLS_FILES, ValkeyConfig
 from hybridkv.tiers.valkey.protocol import Bulk, ErrorReply, ObjectPacker, ReplyReader, SplitValue
 
 logger = logging.getLogger(__name__)
-
-
-class ValkeyAuthError(PermissionError):
-    """The server refused the tier's user or password."""
 
 
 class ValkeyTier(Tier):
@@ -74,6 +73,7 @@ class ValkeyTier(Tier):
             raise ImportError(
                 f"the valkey tier needs pip install 'hybridkv[valkey]': {exc}"
             ) from exc
+        check_tls_files(name, config)
 
         self.name = name
         self.load_weight = config.load_weight
@@ -107,7 +107,7 @@ class ValkeyTier(Tier):
         self._gate = HealthGate(
             name, self._probe, retry_interval_s=config.retry_interval_s, log=logger
         )
-        self._check_credentials(redis.AuthenticationError)
+        self._check_access(redis.AuthenticationError)
 
     @property
     def healthy(self) -> bool:
@@ -354,22 +354,17 @@ class ValkeyTier(Tier):
         self._slots = None
         return all(self._client(node).ping() for node in self._nodes())
 
-    def _check_credentials(self, refused: type[Exception]) -> None:
-        """Raise ``ValkeyAuthError`` if the server refuses us; an unreachable server is
-        only unhealthy (it may come up later)."""
+    def _check_access(self, auth_error: type[Exception]) -> None:
+        """Raise ``ValkeyAuthError`` or ``ValkeyTLSError`` if the server refuses us; an
+        unreachable server is only unhealthy (it may come up later)."""
         try:
             self._client(self._seed).ping()
-        except refused as exc:
-            self.close()
-            config = self.config
-            user = config.username or "default"
-            given = "a password" if config.password else "no password"
-            raise ValkeyAuthError(
-                f"tier {self.name}: valkey at {config.host}:{config.port} refused user "
-                f"{user!r} with {given} ({type(exc).__name__}); fix: set this tier's "
-                "'username' and 'password' to an ACL user of that server"
-            ) from None
-        except self._errors as exc:  # the first call finds out again and marks the gate
+        except self._errors as exc:
+            refused = refusal(self.name, self.config, exc, auth_error)
+            if refused is not None:
+                self.close()
+                raise refused from None
+            # The first call finds out again and marks the gate.
             logger.debug("tier %s: not reachable at start: %r", self.name, exc)
 
 

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,10 +20,11 @@ from redis.connection import Encoder, PythonRespSerializer
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import pack_header
 from hybridkv.tiers.registry import parse_tier_config
+from hybridkv.tiers.valkey.access import ValkeyAuthError, ValkeyTLSError
 from hybridkv.tiers.valkey.cluster import Node
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.protocol import Bulk, ErrorReply, ObjectPacker, ReplyReader, SplitValue
-from hybridkv.tiers.valkey.tier import ValkeyAuthError, ValkeyTier
+from hybridkv.tiers.valkey.tier import ValkeyTier
 from hybridkv.tools.pool import LocalPool
 from hybridkv.tools.servers import ServerRole
 from tests.support.servers import MIB, ValkeyServer, timed, wait_for
@@ -32,6 +34,7 @@ from tests.support.tier_data import (
     new_keys,
     payloads,
 )
+from tests.support.tls import make_certificates
 
 OP_TIMEOUT_S = 1.0
 
@@ -84,20 +87,39 @@ def test_config_collects_every_problem() -> None:
         parse_tier_config({"kind": "valkey", "ssl_ca_certs": "/ca.pem"})
 
 
-def test_tls_and_auth_settings_reach_the_connections() -> None:
+def test_tls_and_auth_settings_reach_the_connections(tmp_path: Path) -> None:
+    files = make_certificates(tmp_path)
+    ca, cert, key = str(files.ca), str(files.client_cert), str(files.client_key)
     config = ValkeyConfig(
         host="127.0.0.1", port=1, db=3, username="u", password="p", ssl=True,
-        ssl_ca_certs="/ca.pem", ssl_certfile="/c.pem", ssl_keyfile="/k.pem",
+        ssl_ca_certs=ca, ssl_certfile=cert, ssl_keyfile=key,
     )  # fmt: skip
-    with ValkeyTier(config) as tls_tier:  # nothing is dialled until the first call
+    with ValkeyTier(config) as tls_tier:  # nothing listens on port 1: only unhealthy
         pool = tls_tier._node_pool(Node("127.0.0.1", 1))
         assert pool.connection_class is redis.SSLConnection
         kwargs = pool.connection_kwargs
         assert (kwargs["db"], kwargs["username"], kwargs["password"]) == (3, "u", "p")
         assert (kwargs["ssl_ca_certs"], kwargs["ssl_certfile"], kwargs["ssl_keyfile"]) == (
-            "/ca.pem", "/c.pem", "/k.pem"
+            ca, cert, key
         )  # fmt: skip
         tls_tier.check_integrity()
+
+
+def test_tls_files_that_do_not_load_fail_at_start_naming_them(tmp_path: Path) -> None:
+    files = make_certificates(tmp_path)
+    missing = str(tmp_path / "missing.pem")
+    cases = [
+        ({"ssl_ca_certs": missing}, f"ssl_ca_certs={missing!r}"),
+        ({"ssl_ca_certs": str(files.client_key)}, "ssl_ca_certs="),  # a key, not a CA
+        ({"ssl_certfile": str(files.client_cert), "ssl_keyfile": str(files.server_key)},
+         "ssl_certfile="),  # a key of another certificate
+        ({"ssl_certfile": missing}, f"ssl_certfile={missing!r}"),
+    ]  # fmt: skip
+    for options, named in cases:
+        config = ValkeyConfig(port=1, ssl=True, **options)  # type: ignore[arg-type]
+        with pytest.raises(ValkeyTLSError, match="cannot load the TLS files") as caught:
+            ValkeyTier(config)
+        assert named in str(caught.value) and "fix: " in str(caught.value), caught.value
 
 
 arguments = st.lists(st.one_of(st.text(max_size=8), st.binary(max_size=20), st.integers()))
