@@ -3,9 +3,11 @@
 Usage: ``python -m tests.e2e.driver PLAN.json RESULTS.jsonl``. The plan lists
 engines, created one after another in this process (in-process engine core,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``engine_kwargs`` override the tiny
-model's engine settings), each with steps: ``groups``, ``generate``,
+model's engine settings; ``kv_events``: vLLM's ``KVEventsConfig`` fields), each
+with steps: ``groups``, ``generate``,
 ``next_turn`` (prompts that continue an earlier step's conversations, in this
-or an earlier engine), ``reset``, ``zero_group``, ``integrity``,
+or an earlier engine), ``reset``, ``zero_group``, ``integrity``, ``tier_blocks``
+(which tiers hold each block of an earlier step's prompts and outputs),
 ``valkey_command`` (one command to a valkey-server on loopback), ``await``
 (hand over to the test, which injects a fault, then go on); between
 engines, ``corrupt_files`` and ``swap_dirs``. Every step
@@ -38,7 +40,7 @@ def make_llm(engine: dict[str, Any]) -> Any:
     """The engine of a plan entry: on the tiny model ``engine["kind"]``, or on the real
     model's shape ``engine["shape"]`` (a ``ShapeKind`` value) when given."""
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     from hybridkv.tools.models import ShapeKind, build_shape_model
 
@@ -52,6 +54,8 @@ def make_llm(engine: dict[str, Any]) -> Any:
         kwargs = tiny.engine_kwargs()
     kwargs.update(engine.get("engine_kwargs", {}))
     kwargs["disable_log_stats"] = False
+    if "kv_events" in engine:
+        kwargs["kv_events_config"] = KVEventsConfig(**engine["kv_events"])
     extra = engine.get("connector")
     if extra is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
@@ -130,6 +134,13 @@ def run_step(llm: Any, step: dict[str, Any], done: dict[str, dict[str, Any]]) ->
     if op == "sleep":  # wall time passing between steps (a link's TCP retries, say)
         time.sleep(step["seconds"])
         return {"slept_s": step["seconds"]}
+    if op == "tier_blocks":
+        earlier = done[step["after"]]
+        sequences = [
+            [*prompt, *output]
+            for prompt, output in zip(earlier["prompts"], earlier["output_token_ids"], strict=True)
+        ]
+        return engine_tools.tier_blocks(llm, sequences)
     if op == "zero_group":
         return {"num_blocks_zeroed": engine_tools.zero_cached_blocks(llm, step["group_id"])}
     if op == "await":

@@ -240,3 +240,55 @@ def check_connector_integrity(llm: Any) -> str:
     if all(r == "ok" for r in results):
         return "ok"
     return "; ".join(f"rank {rank}: {r}" for rank, r in enumerate(results) if r != "ok")
+
+
+def _json_hash(block_hash: Any) -> int | str:
+    return block_hash if isinstance(block_hash, int) else bytes(block_hash).hex()
+
+
+def _tier_blocks_on_worker(worker: Any, sequences: list[list[int]]) -> dict[str, Any]:
+    """Every full block of each token sequence, per group: the engine's name of it (its
+    prefix-caching hash, computed here with the engine's hash function) and whether each
+    of this worker's tiers holds it (looked up by the connector's own store key)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+
+    from hybridkv.keys import RequestBlockHasher
+
+    connector = _worker_connector()
+    if connector is None:
+        return {}
+    inner = connector._worker
+    model_groups, store = inner.model_groups, inner.store
+    hash_fn = get_hash_fn_by_name(worker.vllm_config.cache_config.prefix_caching_hash_algo)
+    size = model_groups.hash_block_size
+    rows = []
+    for sequence, tokens in enumerate(sequences):
+        hasher = RequestBlockHasher(size, algo=connector.config.hash_algo)
+        hasher.extend(tokens)
+        engine_hashes, parent = [], None
+        for start in range(0, len(tokens) - size + 1, size):
+            parent = hash_block_tokens(hash_fn, parent, tokens[start : start + size], None)
+            engine_hashes.append(maybe_convert_block_hash(parent))
+        for group_id, group in enumerate(model_groups.groups):
+            m = group.block_size // size
+            num_blocks = len(hasher.block_hashes) // m
+            keys = inner.keys.keys(group_id, hasher.block_hashes, range(num_blocks))
+            held = [store.contains_many(keys, tier_index=t) for t in range(len(store.tiers))]
+            rows += [
+                {
+                    "sequence": sequence,
+                    "group_id": group_id,
+                    "index": i,
+                    "engine_hash": _json_hash(engine_hashes[(i + 1) * m - 1]),
+                    "tiers": [found[i] for found in held],
+                }
+                for i in range(num_blocks)
+            ]
+    stats = store.stats_by_tier()
+    return {"rows": rows, "evictions": {name: s.evictions for name, s in stats.items()}}
+
+
+def tier_blocks(llm: Any, sequences: list[list[int]]) -> dict[str, Any]:
+    """``_tier_blocks_on_worker`` of the first rank (in this process)."""
+    return next(r for r in llm.collective_rpc(_tier_blocks_on_worker, args=(sequences,)) if r)

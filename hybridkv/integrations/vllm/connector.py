@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -30,6 +31,7 @@ from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.setup import build_scheduler, build_worker
 from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.groups import GroupKind
+from hybridkv.integrations.vllm.events import BlockEvents, event_source, group_events
 from hybridkv.integrations.vllm.facts import engine_facts
 from hybridkv.integrations.vllm.metrics import (
     CounterDeltas,
@@ -47,6 +49,7 @@ from hybridkv.integrations.vllm.plumbing import (
     worker_connector_in_process,
 )
 from hybridkv.tiers.base import Tier, TierMedium
+from hybridkv.tiers.tiered.changes import ChangeLog
 from hybridkv.tiers.tiered.store import TieredStore
 
 if TYPE_CHECKING:
@@ -101,15 +104,26 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._requests: dict[str, Any] = {}
         self._invalid_block_ids: set[int] = set()
         self._report = WorkerReport()
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        self._publish_events = bool(events_config and events_config.enable_kv_cache_events)
+        self._events: BlockEvents | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._init_scheduler(transfer_config)
+            self._init_scheduler(transfer_config, kv_cache_config)
         else:
             self._init_worker()
 
-    def _init_scheduler(self, transfer_config: Any) -> None:
+    def _init_scheduler(self, transfer_config: Any, kv_cache_config: Any) -> None:
         self._scheduler, self._lookup_tiers = build_scheduler(
             self.config, self.facts, worker_store=self._worker_store_in_process()
         )
+        if self._publish_events:
+            hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+            self._events = BlockEvents(
+                group_events(kv_cache_config),
+                hash_block_size or self.facts.model_groups.hash_block_size,
+                [event_source(c) for c in self.config.tier_configs],
+                tp_size=self.facts.tp_size,
+            )
         if transfer_config.kv_load_failure_policy != "recompute":
             # A cache that cannot load a block costs a recompute, never a failed request.
             logger.info("hybridkv sets kv_load_failure_policy='recompute' (it is a cache)")
@@ -127,6 +141,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _init_worker(self) -> None:
         rank = tensor_parallel_rank(self.facts.tp_size)
         self._worker = build_worker(self.config, self.facts, tp_rank=rank)
+        if self._publish_events:  # the scheduler publishes what the tiers store and remove
+            self._worker.store.record_changes(ChangeLog())
 
     def _worker_store_in_process(self) -> TieredStore | None:
         """This engine's one worker's store, when vLLM built that worker in this process."""
@@ -331,12 +347,22 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> VllmMetadata:
         assert self._scheduler is not None
         step = step_input(scheduler_output, self._requests)
-        return VllmMetadata(self._scheduler.build_metadata(step))
+        meta = self._scheduler.build_metadata(step)
+        if self._events is not None:
+            self._events.note_plans(meta, self._requests)
+        return VllmMetadata(meta)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(meta, VllmWorkerMeta):
             self._scheduler.process_report(meta.report)
+            if self._events is not None:
+                self._events.take_report(meta.report)
+
+    def take_events(self) -> Iterable[Any]:
+        """What the tiers stored and removed, as vLLM's KV events (published with the
+        engine's own, in the same batch); nothing unless the engine publishes events."""
+        return () if self._events is None else self._events.take_events()
 
     def request_finished(
         self, request: Any, block_ids: list[int]
