@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
+import hybridkv.native  # noqa: F401  # before numba compiles: see its docstring
 from hybridkv.tiers.disk.segments import PAGE
 
 Digests = npt.NDArray[np.uint64]
