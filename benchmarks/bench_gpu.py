@@ -374,12 +374,12 @@ def table(report: dict[str, Any]) -> str:
         f"{report['device']}, torch {report['torch']}, {report['job_MiB']:.0f} MiB per job",
         f"limit (pinned): {limit['d2h']:.1f} GB/s device->host, {limit['h2d']:.1f} host->device",
         "",
-        f"{'copy, ratio to the limit':40} {'model_groups':6} {'gather':>6} {'scatter':>7} "
+        f"{'copy, ratio to the limit':40} {'layout':6} {'gather':>6} {'scatter':>7} "
         f"{'framed':>6} {'framed':>6} {'device':>7} bytes",
     ]
     for row in report.get("copy", []):
         lines.append(
-            f"{row['case']:40} {row['model_groups']:6} {row['gather']:6.2f} {row['scatter']:7.2f} "
+            f"{row['case']:40} {row['layout']:6} {row['gather']:6.2f} {row['scatter']:7.2f} "
             f"{row['gather_framed']:6.2f} {row['scatter_framed']:6.2f} "
             f"{row['device_extra_MiB']:3.0f} MiB {'ok' if row['bytes_equal'] else 'WRONG'}"
         )

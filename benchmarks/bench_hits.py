@@ -187,7 +187,7 @@ def main() -> int:
             rows.append((name, scenario, hit.num_tokens, calls, indices, t_vllm, t_ours))
 
     header = (
-        f"{'model_groups':38} {'scenario':11} {'hit':>7} {'calls':>5} {'asked':>6} "
+        f"{'groups':38} {'scenario':11} {'hit':>7} {'calls':>5} {'asked':>6} "
         f"{'vLLM ms':>8} {'ours ms':>8} {'speedup':>8}  target"
     )
     print(f"one lookup, {NUM_TOKENS} tokens, best of {REPEATS}; target: >= {TARGET_SPEEDUP}x")
