@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hybridkv.tiers import codec
-from hybridkv.tiers.disk.index import Digests, Rows
+from hybridkv.tiers.digest_table import Digests, Rows
 from hybridkv.tiers.disk.segments import (
     PAGE,
     SCAN_CHUNK_SLOTS,
@@ -86,7 +86,7 @@ def scan_slots(fd: int, header: SegmentHeader, first: int, file_bytes: int) -> S
     empty = np.zeros(0, np.int64)
     return SlotScan(
         live=np.concatenate([empty, *(c.live for c in chunks)]),
-        digests=np.concatenate([np.zeros((0, 2), np.uint64), *(c.digests for c in chunks)]),
+        digests=np.concatenate([np.zeros((0, 2), np.int64), *(c.digests for c in chunks)]),
         offsets=np.concatenate([empty, *(c.offsets for c in chunks)]),
         dead=np.concatenate([empty, *(c.dead for c in chunks)]),
         damaged=[d for c in chunks for d in c.damaged],
@@ -126,7 +126,7 @@ def _scan_chunk(
     empty = np.flatnonzero(~filled)
     chunk = SlotScan(
         live=np.flatnonzero(live) + first,
-        digests=words[live][:, 6:8],
+        digests=words[live][:, 6:8].view(np.int64),
         offsets=offset[live].astype(np.int64),
         dead=np.flatnonzero(dead) + first,
         damaged=damaged,

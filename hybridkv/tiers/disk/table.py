@@ -20,7 +20,8 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from hybridkv.tiers.disk.index import MAX_OFFSET, NONE, DigestIndex, Digests, Rows, digest_words
+from hybridkv.tiers.digest_table import NONE, Digests, Rows, digest_words
+from hybridkv.tiers.disk.index import MAX_OFFSET, DigestIndex
 from hybridkv.tiers.disk.paths import DiskPaths
 from hybridkv.tiers.disk.scan import SlotScan
 from hybridkv.tiers.disk.segments import Geometry, SegmentHeader, align_up
@@ -198,10 +199,10 @@ class SegmentTable:
     def entry(self, digest: bytes, length: int = 0) -> Entry | None:
         return self.entries(digest_words(digest), [length])[0]
 
-    def segments_at(self, rows: Rows) -> list[Segment]:
-        """The segments holding the objects of these index rows (NONE: none)."""
-        numbers = np.unique(self.index.segment(rows[rows >= 0]))
-        return [s for s in (self._numbered[n] for n in numbers.tolist()) if s is not None]
+    def segments_at(self, rows: list[int]) -> list[Segment]:
+        """The segments holding the objects of these index rows."""
+        numbers = set(self.index.segment(np.array(rows, np.int64)).tolist())
+        return [s for s in (self._numbered[n] for n in numbers) if s is not None]
 
     def items(self) -> Iterator[tuple[bytes, Entry]]:
         """Every indexed object (for integrity checks; ``length`` is 0: not kept)."""
@@ -233,12 +234,25 @@ class SegmentTable:
 
     # Puts -----------------------------------------------------------------------
 
+    def reserve_many(
+        self, digests: list[bytes], sizes: list[int], work: FileWork
+    ) -> list[Reservation | str]:
+        """``reserve`` of each object in turn, with one lookup for them all: no object
+        is indexed in between, and one evicted since was found in a segment gone."""
+        found = self.entries(digest_words(b"".join(digests)), sizes)
+        items = enumerate(zip(digests, sizes, found, strict=True))
+        return [self._reserve(i, digest, size, work, entry) for i, (digest, size, entry) in items]
+
     def reserve(
         self, item: int, digest: bytes, num_bytes: int, work: FileWork
     ) -> Reservation | str:
         """Room for one object, or "exists" / "full"; file work goes into ``work``."""
-        entry = self.entry(digest)
-        if entry is not None:
+        return self._reserve(item, digest, num_bytes, work, self.entry(digest))
+
+    def _reserve(
+        self, item: int, digest: bytes, num_bytes: int, work: FileWork, entry: Entry | None
+    ) -> Reservation | str:
+        if entry is not None and self.holds(entry.segment):
             self.use(entry.segment)
             return "exists"
         if digest in self.pending:

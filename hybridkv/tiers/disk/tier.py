@@ -4,8 +4,9 @@ Runs in the worker process (the one writer of a directory) and, read-only,
 in the scheduler process for lookups. Creating a file per object costs more
 than writing its bytes on ext4, while writing into a preallocated or reused
 file costs less than a plain write into a new one; so objects live in
-segment files (format: ``disk.segments``; files and scans: ``disk.directory``;
-bookkeeping: ``disk.table``).
+segment files (format: ``disk.segments``; files and scans: ``disk.directory``
+and ``disk.scan``; bookkeeping: ``disk.table``, its key index ``disk.index``,
+about 45 B of RAM per object; runs of slots: ``disk.batches``).
 
 A put reserves a slot and a page-aligned data range in the active segment
 (under the lock), writes the payloads of a batch with one ``pwritev`` per
@@ -23,8 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import numpy as np
-
+from hybridkv.tiers import digest_table
 from hybridkv.tiers.base import (
     Buffer,
     GetStatus,
@@ -36,7 +36,8 @@ from hybridkv.tiers.base import (
     check_batch,
 )
 from hybridkv.tiers.codec import HeaderError, key_digest, key_digests
-from hybridkv.tiers.disk import index, preads, reads, segments
+from hybridkv.tiers.digest_table import digest_words
+from hybridkv.tiers.disk import preads, reads, segments
 from hybridkv.tiers.disk.batches import read_tasks, runs
 from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
 from hybridkv.tiers.disk.directory import SegmentDirectory
@@ -44,7 +45,6 @@ from hybridkv.tiers.disk.files import (
     DiskTierInUse,
     Quarantine,
 )
-from hybridkv.tiers.disk.index import Rows, digest_words
 from hybridkv.tiers.disk.scan import ScanReport
 from hybridkv.tiers.disk.segments import (
     SLOT_BYTES,
@@ -96,7 +96,7 @@ class DiskTier(Tier):
             self._dir.close_files()
             raise
         preads.warm_up()  # compiled (or loaded) now, not on the first get
-        index.warm_up()
+        digest_table.warm_up()
         self._pool = (
             ThreadPoolExecutor(self._num_io_threads, thread_name_prefix=f"hybridkv-{name}")
             if self._num_io_threads > 1
@@ -111,16 +111,16 @@ class DiskTier(Tier):
         digests = digest_words(key_digests(keys))
         with self._lock:
             self._check_open()
-            rows = self._table.index.find(digests)
-            if self._dir.maybe_refresh(missing=bool((rows < 0).any())) or self._any_lost(rows):
-                rows = self._table.index.find(digests)
-            found = rows >= 0
+            rows = self._table.index.find(digests).tolist()
+            found = [row for row in rows if row >= 0]
+            if self._dir.maybe_refresh(missing=len(found) < len(rows)) or self._any_lost(found):
+                rows = self._table.index.find(digests).tolist()
+                found = [row for row in rows if row >= 0]
             self._stats.queries += len(keys)
-            self._stats.hits += int(np.count_nonzero(found))
-        answers: list[bool] = found.tolist()
-        return answers
+            self._stats.hits += len(found)
+        return [row >= 0 for row in rows]
 
-    def _any_lost(self, rows: Rows) -> bool:
+    def _any_lost(self, rows: list[int]) -> bool:
         """Drop the segments of these index rows whose files were removed from outside."""
         lost = False
         for segment in self._table.segments_at(rows):
@@ -144,14 +144,16 @@ class DiskTier(Tier):
         results: list[PutStatus] = [PutStatus.OK] * len(keys)
         reservations: list[Reservation] = []
         work = FileWork()
-        digests = [key_digest(key) for key in keys]
+        joined = key_digests(keys)
+        digests = [joined[i : i + 16] for i in range(0, len(joined), 16)]
         with self._lock:
             self._check_open()
             self._dir.sweep()
             # A key whose file was removed from outside is stored again.
-            self._any_lost(self._table.index.find(digest_words(b"".join(digests))))
-            for item, (digest, buf) in enumerate(zip(digests, buffers, strict=True)):
-                reserved = self._table.reserve(item, digest, len(buf), work)
+            rows = self._table.index.find(digest_words(joined)).tolist()
+            self._any_lost([row for row in rows if row >= 0])
+            sizes = [len(buf) for buf in buffers]
+            for item, reserved in enumerate(self._table.reserve_many(digests, sizes, work)):
                 if isinstance(reserved, Reservation):
                     reservations.append(reserved)
                 elif reserved == "full":

@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.tiers.disk.index import NONE, DigestIndex, digest_words
+from hybridkv.tiers.digest_table import NONE, digest_words
+from hybridkv.tiers.disk.index import DigestIndex
 from hybridkv.tiers.disk.segments import PAGE
 
 # First words pick the bucket: a few values, some at the end of the smallest table
@@ -71,7 +72,7 @@ def digests_of(steps: list[tuple[str, object]]) -> set[bytes]:
 def test_a_million_keys_fit_in_under_40_bytes_each() -> None:
     index = DigestIndex()
     num_keys = 1 << 20
-    keys = np.random.default_rng(0).integers(0, 1 << 63, (num_keys, 2)).astype(np.uint64)
+    keys = np.random.default_rng(0).integers(0, 1 << 63, (num_keys, 2))
     index.reserve(num_keys)
     rows = index.insert(keys, 1, np.zeros(num_keys, np.int64), np.zeros(num_keys, np.int64))
     assert (rows >= 0).all() and index.nbytes / num_keys <= 36.1  # 28 B a row + 8 B buckets

@@ -77,6 +77,21 @@ def test_the_least_recently_used_idle_segment_is_evicted_and_its_file_reused() -
     t.check()
 
 
+def test_a_batch_stores_again_what_its_own_reservations_evicted() -> None:
+    t = table(2)
+    for name in "abcd":  # A = (a, b), B = (c, d): A least recently used
+        put(t, name)
+    work = FileWork()
+    # "a" is found by the batch's one lookup, then "e" evicts its segment.
+    reserved = t.reserve_many([digest("e"), digest("a"), digest("c")], [8192] * 3, work)
+    assert [r if isinstance(r, str) else r.item for r in reserved] == [0, 1, "exists"]
+    assert indexed(t) == {"c", "d"}
+    open_all(work)
+    assert t.commit_part([r for r in reserved if isinstance(r, Reservation)], written=True) == 2
+    assert indexed(t) == {"a", "c", "d", "e"}
+    t.check()
+
+
 def test_busy_segments_are_not_evicted_and_the_put_is_full() -> None:
     t = table(2)
     for name in "abcd":
