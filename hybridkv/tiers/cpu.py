@@ -25,6 +25,7 @@ from pydantic import Field, StrictBool
 from pydantic.dataclasses import dataclass
 
 from hybridkv.schema import CONFIG, ByteSize
+from hybridkv.tiers import cpu_lru
 from hybridkv.tiers.base import (
     Buffer,
     GetStatus,
@@ -40,8 +41,9 @@ from hybridkv.tiers.base import (
     check_batch,
     check_sizes,
 )
+from hybridkv.tiers.codec import key_digests
 from hybridkv.tiers.config import LoadWeight, TierConfigBase
-from hybridkv.tiers.cpu_index import ArenaIndex, Outstanding, Slot
+from hybridkv.tiers.cpu_index import ArenaIndex, Outstanding
 from hybridkv.tiers.memory import ALIGN_BYTES, allocate_arena
 
 if TYPE_CHECKING:
@@ -90,6 +92,7 @@ class CpuTier(Tier):
         )
         self._tensor: torch.Tensor | None = None
         self._index = ArenaIndex(config.capacity_bytes)
+        cpu_lru.warm_up()  # compiled (or loaded) now, not on the first put
         self._stats = TierStats()
         self._lock = threading.Lock()
         self._closed = False
@@ -113,12 +116,14 @@ class CpuTier(Tier):
             return self._tensor
 
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
+        digests = key_digests(keys)
         with self._lock:
             self._check_open()
-            found = [self._index.find(key) is not None for key in keys]
+            found = self._index.find(digests) >= 0
             self._stats.queries += len(keys)
-            self._stats.hits += sum(found)
-        return found
+            self._stats.hits += int(np.count_nonzero(found))
+        answers: list[bool] = found.tolist()
+        return answers
 
     # Through buffers ---------------------------------------------------------------
 
@@ -130,55 +135,76 @@ class CpuTier(Tier):
     ) -> list[PutStatus]:
         """Copy each buffer in; ``checksums`` are not kept (see the module docstring)."""
         check_batch(keys, buffers, checksums)
+        digests = _split(key_digests(keys))
         with self._lock:
             self._check_open()
-            return [self._put(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+            # One lookup for the batch: only a key stored then, or by this batch, may
+            # be stored when its turn comes (evictions only remove).
+            found = (self._index.find(b"".join(digests)) >= 0).tolist()
+            stored: set[bytes] = set()
+            results: list[PutStatus] = []
+            try:
+                for key, digest, buf, was_found in zip(keys, digests, buffers, found, strict=True):
+                    status = self._put(key, digest, buf, was_found or digest in stored)
+                    if status is PutStatus.OK:
+                        stored.add(digest)
+                    results.append(status)
+            finally:
+                self._index.settle()
+            return results
 
-    def _put(self, key: StoreKey, buf: Buffer) -> PutStatus:
-        offset = self._reserve(key, len(buf))
+    def _put(self, key: StoreKey, digest: bytes, buf: Buffer, maybe_stored: bool) -> PutStatus:
+        offset = self._reserve(digest, len(buf), maybe_stored=maybe_stored)
         if isinstance(offset, PutStatus):
             return offset
         np.copyto(self._arena[offset : offset + len(buf)], buf)
-        self._commit(key, True, num_borrows=0)
+        slot = self._index.commit_one(key, digest)
+        self._stats.puts += 1
+        self._stats.put_bytes += slot.num_bytes
         return PutStatus.OK
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         check_batch(keys, buffers)
+        digests = key_digests(keys)
         with self._lock:
             self._check_open()
-            return [self._get(key, buf) for key, buf in zip(keys, buffers, strict=True)]
-
-    def _get(self, key: StoreKey, buf: Buffer) -> GetStatus:
-        slot = self._find(key, len(buf))
-        if isinstance(slot, GetStatus):
-            return slot
-        np.copyto(buf, self._arena[slot.offset : slot.offset + slot.num_bytes])
-        self._index.touch(key)
-        self._count_get(slot)
-        return GetStatus.OK
+            found = self._find(keys, digests, [len(buf) for buf in buffers], borrow=False)
+            results: list[GetStatus] = []
+            for answer, buf in zip(found, buffers, strict=True):
+                if isinstance(answer, int):
+                    np.copyto(buf, self._arena[answer : answer + len(buf)])
+                    answer = GetStatus.OK
+                results.append(answer)
+            return results
 
     # In place (TierMemory) -----------------------------------------------------------
 
     def reserve_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int | PutStatus]:
         """See ``TierMemory.reserve_many``."""
         check_sizes(keys, sizes)
+        digests = _split(key_digests(keys))
         with self._lock:
             self._check_open()
+            index = self._index
+            stored = (index.find(b"".join(digests)) >= 0).tolist()
             answers: list[int | PutStatus | None] = [None] * len(keys)
-            new: dict[StoreKey, int] = {}  # keys no one holds, at their first sight
-            for j, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-                if key in new:
+            new: dict[bytes, int] = {}  # keys no one holds, at their first sight
+            for j, (digest, size) in enumerate(zip(digests, sizes, strict=True)):
+                if digest in new:
                     answers[j] = PutStatus.EXISTS  # reserved below, for its first sight
-                elif self._index.knows(key):
-                    answers[j] = self._reserve(key, int(size))  # EXISTS or FULL
+                elif stored[j] or index.knows_unstored(digest):
+                    answers[j] = self._reserve(digest, int(size))  # EXISTS or FULL
                 else:
-                    new[key] = int(size)
+                    new[digest] = int(size)
             # One run for the new objects when the arena has it: a device copies it at once.
-            run = self._index.reserve_run(list(new), list(new.values())) if len(new) > 1 else None
+            run = index.reserve_run(list(new), list(new.values())) if len(new) > 1 else None
             offsets = dict(zip(new, run, strict=True)) if run is not None else {}
-            for j, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            for j, (digest, size) in enumerate(zip(digests, sizes, strict=True)):
                 if answers[j] is None:
-                    answers[j] = offsets[key] if key in offsets else self._reserve(key, int(size))
+                    answers[j] = offsets.get(digest)
+                    if answers[j] is None:
+                        answers[j] = self._reserve(digest, int(size))
+            index.settle()
             return [answer for answer in answers if answer is not None]
 
     def commit_many(
@@ -187,83 +213,102 @@ class CpuTier(Tier):
         """See ``TierMemory.commit_many``."""
         if num_borrows < 0:
             raise ValueError(f"num_borrows={num_borrows}: must be >= 0")
+        digests = _split(key_digests(keys))
         with self._lock:
             self._check_open()
-            self._index.check_commits(keys, written)
-            for key, was_written in zip(keys, written, strict=True):
-                self._commit(key, bool(was_written), num_borrows)
+            self._index.check_commits(keys, digests, written)
+            self._commit(keys, digests, [bool(w) for w in written], num_borrows)
 
     def borrow_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> list[int | GetStatus]:
         """See ``TierMemory.borrow_many``."""
         check_sizes(keys, sizes)
+        digests = key_digests(keys)
         with self._lock:
             self._check_open()
-            return [self._borrow(key, int(size)) for key, size in zip(keys, sizes, strict=True)]
+            return self._find(keys, digests, [int(size) for size in sizes], borrow=True)
 
     def release_many(self, keys: Sequence[StoreKey]) -> None:
         """See ``TierMemory.release_many``."""
+        digests = _split(key_digests(keys))
         with self._lock:
             self._check_open()
-            self._index.check_releases(keys)
-            for key in keys:
-                self._index.release(key)
+            self._index.check_releases(keys, digests)
+            for digest in digests:
+                self._index.release(digest)
 
-    def _reserve(self, key: StoreKey, num_bytes: int) -> int | PutStatus:
-        answer = self._index.reserve(key, num_bytes)
+    def _reserve(
+        self, digest: bytes, num_bytes: int, *, maybe_stored: bool = True
+    ) -> int | PutStatus:
+        answer = self._index.reserve(digest, num_bytes, maybe_stored=maybe_stored)
         if answer is PutStatus.FULL:
             self._stats.put_skipped_full += 1
         return answer
 
-    def _commit(self, key: StoreKey, written: bool, num_borrows: int) -> None:
-        slot = self._index.commit(key, written, num_borrows)
-        if slot is not None:
+    def _commit(
+        self,
+        keys: Sequence[StoreKey],
+        digests: Sequence[bytes],
+        written: Sequence[bool],
+        num_borrows: int,
+    ) -> None:
+        for slot in self._index.commit(keys, digests, written, num_borrows):
             self._stats.puts += 1
             self._stats.put_bytes += slot.num_bytes
 
-    def _borrow(self, key: StoreKey, num_bytes: int) -> int | GetStatus:
-        slot = self._find(key, num_bytes)
-        if isinstance(slot, GetStatus):
-            return slot
-        self._index.borrow(key)
-        self._count_get(slot)
-        return slot.offset
-
-    def _find(self, key: StoreKey, num_bytes: int) -> Slot | GetStatus:
-        """The stored object, if it has ``num_bytes``; one of another size is dropped."""
-        slot = self._index.find(key)
-        if slot is None:
-            return GetStatus.MISS
-        if slot.num_bytes != num_bytes:
-            logger.warning(
-                "cpu tier %s: object %s is corrupt (stored %d bytes, asked %d); dropped",
-                self.name,
-                key,
-                slot.num_bytes,
-                num_bytes,
-            )
-            self._stats.corrupt += 1
-            self._index.drop(key)
-            return GetStatus.CORRUPT
-        return slot
-
-    def _count_get(self, slot: Slot) -> None:
-        self._stats.gets += 1
-        self._stats.get_bytes += slot.num_bytes
+    def _find(
+        self, keys: Sequence[StoreKey], digests: bytes, sizes: Sequence[int], *, borrow: bool
+    ) -> list[int | GetStatus]:
+        """Per key, the offset of its stored object if that has the size asked (then it
+        is most recent, a get counted, and borrowed if ``borrow``); else MISS, or CORRUPT
+        for an object of another size, which is dropped."""
+        index = self._index
+        rows: list[int] = index.find(digests).tolist()
+        answers: list[int | GetStatus] = []
+        used: list[int] = []
+        for j, (row, num_bytes) in enumerate(zip(rows, sizes, strict=True)):
+            slot = index.slot(row) if row >= 0 else None
+            if slot is None:
+                answers.append(GetStatus.MISS)
+            elif slot.num_bytes != num_bytes:
+                logger.warning(
+                    "cpu tier %s: object %s is corrupt (stored %d bytes, asked %d); dropped",
+                    self.name,
+                    keys[j],
+                    slot.num_bytes,
+                    num_bytes,
+                )
+                self._stats.corrupt += 1
+                index.drop(row)
+                used = [r for r in used if r != row]
+                rows[j + 1 :] = index.find(digests[16 * (j + 1) :]).tolist()  # its row is free
+                answers.append(GetStatus.CORRUPT)
+            else:
+                if borrow:
+                    index.pin([row])
+                used.append(row)
+                self._stats.gets += 1
+                self._stats.get_bytes += slot.num_bytes
+                answers.append(slot.offset)
+        index.touch(np.array(used, np.int64))
+        return answers
 
     # Bookkeeping ---------------------------------------------------------------------
 
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove stored keys (a borrowed one keeps its bytes until released); reservations
         are left alone."""
+        digests = b"".join(dict.fromkeys(_split(key_digests(keys))))
         with self._lock:
             self._check_open()
-            present = [key for key in dict.fromkeys(keys) if self._index.find(key) is not None]
-            for key in present:
-                self._index.drop(key)
+            present = [row for row in self._index.find(digests).tolist() if row >= 0]
+            for row in present:
+                self._index.drop(row)
         return len(present)
 
     def log_changes(self, changes: TierChanges) -> bool:
-        """Commits, evictions, deletes and corrupt drops, recorded under this tier's lock."""
+        """Commits, evictions, deletes and corrupt drops, recorded under this tier's lock
+        (removals by key digest: the index keeps no keys)."""
+        changes.keep_digests()
         with self._lock:
             self._check_open()
             self._index.changes = changes
@@ -283,10 +328,11 @@ class CpuTier(Tier):
             stats.evictions = self._index.num_evictions
         return stats
 
-    def keys_lru_order(self) -> list[StoreKey]:
-        """Stored keys, least recently used first (evicted first unless borrowed)."""
+    def lru_digests(self) -> list[bytes]:
+        """Key digests (``codec.key_digest``) of the stored objects, least recently used
+        first (evicted first unless borrowed)."""
         with self._lock:
-            return list(self._index.stored)
+            return self._index.lru_digests()
 
     def outstanding(self) -> Outstanding:
         """Reservations and borrows not yet ended."""
@@ -343,3 +389,8 @@ class _CpuMemory(TierMemory):
 
     def release_many(self, keys: Sequence[StoreKey]) -> None:
         self._tier.release_many(keys)
+
+
+def _split(digests: bytes) -> list[bytes]:
+    """Concatenated 16-byte key digests, one by one."""
+    return [digests[i : i + 16] for i in range(0, len(digests), 16)]

@@ -26,15 +26,21 @@ class ExtentAllocator:
     ``allocate`` reuses a free extent of exactly the rounded size when one
     exists, else splits the smallest free extent that fits (best fit). Freed
     extents merge with free neighbours, so a fully freed arena is one extent.
+
+    ``tracked=False``: the caller keeps each extent's size and hands it to
+    ``free``; the allocator then keeps nothing per allocated extent (a dict entry
+    per object cost ~100 B of RAM in a CPU tier of millions of objects).
     """
 
-    def __init__(self, total_bytes: int, *, align: int = ALIGN_BYTES) -> None:
+    def __init__(self, total_bytes: int, *, align: int = ALIGN_BYTES, tracked: bool = True) -> None:
         self.align = align
         self.total_bytes = total_bytes - total_bytes % align
+        self.tracked = tracked
         self._free_by_offset: dict[int, int] = {}
         self._free_by_end: dict[int, int] = {}
         self._free_by_size: dict[int, set[int]] = {}
         self._allocated: dict[int, int] = {}
+        """offset -> size of each allocated extent, when ``tracked``."""
         self.allocated_bytes = 0
         if self.total_bytes > 0:
             self._add_free(0, self.total_bytes)
@@ -56,12 +62,15 @@ class ExtentAllocator:
             offset = next(iter(self._free_by_size[min(fits)]))
             free_size = self._remove_free(offset)
             self._add_free(offset + size, free_size - size)
-        self._allocated[offset] = size
+        if self.tracked:
+            self._allocated[offset] = size
         self.allocated_bytes += size
         return offset
 
-    def free(self, offset: int) -> None:
-        size = self._allocated.pop(offset)
+    def free(self, offset: int, num_bytes: int = 0) -> None:
+        """Free the extent at ``offset``; untracked, ``num_bytes`` is the size it was
+        allocated for."""
+        size = self._allocated.pop(offset) if self.tracked else self.rounded(num_bytes)
         self.allocated_bytes -= size
         end = offset + size
         if end in self._free_by_offset:
@@ -76,15 +85,17 @@ class ExtentAllocator:
         """Cut the allocated extent at ``offset`` into adjacent extents of ``sizes`` (each
         rounded; together exactly the extent's size); returns their offsets."""
         rounded = [self.rounded(size) for size in sizes]
-        if self._allocated.get(offset) != sum(rounded):
+        if self.tracked and self._allocated.get(offset) != sum(rounded):
             raise ValueError(f"extent at {offset} is not {sum(rounded)} allocated bytes")
         offsets = list(itertools.accumulate(rounded[:-1], initial=offset))
-        for start, size in zip(offsets, rounded, strict=True):
-            self._allocated[start] = size
+        if self.tracked:
+            for start, size in zip(offsets, rounded, strict=True):
+                self._allocated[start] = size
         return offsets
 
     def allocated(self) -> dict[int, int]:
-        """offset -> size of every allocated extent (a copy)."""
+        """offset -> size of every allocated extent (a copy; tracked only)."""
+        assert self.tracked, "an untracked allocator keeps no extents"
         return dict(self._allocated)
 
     def _add_free(self, offset: int, size: int) -> None:
@@ -101,15 +112,19 @@ class ExtentAllocator:
             del self._free_by_size[size]
         return size
 
-    def check_integrity(self) -> None:
-        extents = sorted([*self._allocated.items(), *self._free_by_offset.items()])
+    def check_integrity(self, allocated: dict[int, int] | None = None) -> None:
+        """``allocated``: offset -> size of each allocated extent, for an untracked one."""
+        if allocated is None:
+            assert self.tracked, "an untracked allocator checks the extents it is given"
+            allocated = self._allocated
+        extents = sorted([*allocated.items(), *self._free_by_offset.items()])
         position = 0
         for offset, size in extents:
             assert offset == position, f"gap or overlap at {position}: next extent at {offset}"
             assert size > 0 and offset % self.align == 0 and size % self.align == 0
             position = offset + size
         assert position == self.total_bytes, f"extents cover {position} of {self.total_bytes}"
-        assert self.allocated_bytes == sum(self._allocated.values())
+        assert self.allocated_bytes == sum(allocated.values())
         for offset, size in self._free_by_offset.items():
             assert self._free_by_end[offset + size] == offset
             assert offset in self._free_by_size[size]

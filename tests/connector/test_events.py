@@ -16,6 +16,7 @@ from hybridkv.connector.events import TierEvent, TierEvents
 from hybridkv.connector.metadata import BlockRef, RankReport, TierChange, WorkerReport
 from hybridkv.groups import GroupKind
 from hybridkv.keys import BlockHash
+from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuTier
 from hybridkv.tiers.tiered.changes import ChangeLog
 from tests.support.connector import (
@@ -124,14 +125,6 @@ def test_worker_reports_follow_a_small_cpu_tier_and_the_disk_behind_it(tmp_path:
     for worker_report in engine.reports:
         events.take_report(worker_report)
     announced = replay(events.take())
-    cpu = store.tiers[0]
-    assert isinstance(cpu, CpuTier)
-    in_cpu = {
-        BlockRef(*named) for k in cpu.keys_lru_order() if (named := engine.worker.keys.parse(k))
-    }
-    assert {r for tier, r in announced if tier == 0} == in_cpu
-    assert cpu.stats().evictions > 0
-
     every_block = {
         block: key
         for group_id in range(model_groups.num_groups)
@@ -141,6 +134,14 @@ def test_worker_reports_follow_a_small_cpu_tier_and_the_disk_behind_it(tmp_path:
             strict=True,
         )
     }
+    cpu = store.tiers[0]
+    assert isinstance(cpu, CpuTier)
+    held = set(cpu.lru_digests())  # the CPU tier keeps key digests, not keys
+    in_cpu = {block for block, key in every_block.items() if key_digest(key) in held}
+    assert len(in_cpu) == len(held)
+    assert {r for tier, r in announced if tier == 0} == in_cpu
+    assert cpu.stats().evictions > 0
+
     found = store.tiers[1].contains_many(list(every_block.values()))
     on_disk = {block for block, hit in zip(every_block, found, strict=True) if hit}
     assert {r for tier, r in announced if tier == 1} == on_disk

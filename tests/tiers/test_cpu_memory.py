@@ -16,12 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, TierMemory
+from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.cpu_index import Outstanding
 from hybridkv.tiers.memory import PAGE_BYTES
 
 SLOT = 1000
 """Rounds to 1024 bytes: a tier of ``n * 1024`` bytes holds exactly ``n`` objects."""
+
+
+def digests(keys: list[StoreKey]) -> list[bytes]:
+    """What ``CpuTier.lru_digests`` names these keys by."""
+    return [key_digest(k) for k in keys]
 
 
 def key(i: int | str) -> StoreKey:
@@ -116,7 +122,7 @@ def test_stored_and_reserved_keys_answer_exists() -> None:
     answers = memory.reserve_many([stored, fresh, fresh], [SLOT] * 3)
     assert answers[0] is PutStatus.EXISTS and answers[2] is PutStatus.EXISTS
     assert isinstance(answers[1], int)
-    assert tier.keys_lru_order() == [other, stored], "an EXISTS marks the stored key recent"
+    assert tier.lru_digests() == digests([other, stored]), "an EXISTS marks the stored key recent"
     assert tier.put_many([fresh], [payload(fresh)]) == [PutStatus.EXISTS]  # reserved
     memory.commit_many([fresh], [True])
     assert tier.put_many([fresh], [payload(fresh)]) == [PutStatus.EXISTS]
@@ -162,13 +168,13 @@ def test_borrowed_objects_survive_eviction_and_the_rest_go_least_recent_first() 
     borrow_one(memory, keys[0])
     for k in keys[1:4]:  # keys[0] is least recently used again, but borrowed
         assert tier.get_many_into([k], [np.zeros(SLOT, dtype=np.uint8)]) == [GetStatus.OK]
-    assert tier.keys_lru_order() == keys[:4]
+    assert tier.lru_digests() == digests(keys[:4])
     tier.put_many(keys[4:6], [payload(k) for k in keys[4:6]])
-    assert tier.keys_lru_order() == [keys[0], keys[3], keys[4], keys[5]]
+    assert tier.lru_digests() == digests([keys[0], keys[3], keys[4], keys[5]])
     assert tier.stats().evictions == 2
     memory.release_many(keys[:1])
     tier.put_many(keys[6:], [payload(keys[6])])
-    assert tier.keys_lru_order() == [keys[3], keys[4], keys[5], keys[6]]
+    assert tier.lru_digests() == digests([keys[3], keys[4], keys[5], keys[6]])
     tier.check_integrity()
 
 
@@ -353,7 +359,7 @@ def apply(model: Model, tier: CpuTier, step: int, op: str, k: StoreKey, variant:
 def check_against(model: Model, tier: CpuTier, arena: np.ndarray, keys: list[StoreKey]) -> None:
     tier.check_integrity()
     assert tier.contains_many(keys) == [k in model.stored for k in keys]
-    assert tier.keys_lru_order() == list(model.stored)
+    assert tier.lru_digests() == digests(list(model.stored))
     num_borrows = sum(model.borrows.values()) + sum(model.zombies.values())
     assert tier.outstanding() == Outstanding(len(model.reserved), num_borrows)
     extents = [*model.reserved.values(), *((o, v) for _, o, v in model.held)]

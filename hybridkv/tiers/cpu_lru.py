@@ -1,0 +1,310 @@
+"""The CPU tier's stored objects: by key digest, in least-recently-used order.
+
+Worker process; not thread-safe (``CpuTier`` calls it under its lock). Each
+object is a row of numpy arrays: its key digest (``DigestTable``), arena offset
+and size, borrow count and its neighbours in the LRU list (44 B, plus the
+table's buckets), where an OrderedDict entry, a slot object, their ints and the
+key string cost ~360 B per object. Changes run natively: one call per object
+put, per batch otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+from numba import njit
+
+import hybridkv.native  # noqa: F401  # before numba compiles: see its docstring
+from hybridkv.tiers import digest_table
+from hybridkv.tiers.digest_table import (
+    NONE,
+    Buckets,
+    Digests,
+    DigestTable,
+    Rows,
+    claim_one,
+    digest_words,
+    find_one,
+    grown,
+    words,
+)
+
+Wide = npt.NDArray[np.int64]
+"""Per row: arena offset, size (NONE: a free row)."""
+Narrow = npt.NDArray[np.int32]
+"""Per row: borrows, the next older row, the next newer row (NONE: none)."""
+_OFFSET, _SIZE = 0, 1
+_BORROWS, _OLDER, _NEWER = 0, 1, 2
+_HEAD, _TAIL = 0, 1
+_ADD, _TOUCH_ADDED = -2, -3
+"""Deferred changes (``LruObjects.settle``) other than touching a row: add an object,
+touch one added earlier in the same batch."""
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _unlink(narrow: Narrow, ends: Rows, row: int) -> None:  # pragma: no cover - native
+    older, newer = narrow[row, _OLDER], narrow[row, _NEWER]
+    if older >= 0:
+        narrow[older, _NEWER] = newer
+    else:
+        ends[_HEAD] = newer
+    if newer >= 0:
+        narrow[newer, _OLDER] = older
+    else:
+        ends[_TAIL] = older
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _link_newest(narrow: Narrow, ends: Rows, row: int) -> None:  # pragma: no cover - native
+    tail = ends[_TAIL]
+    narrow[row, _OLDER], narrow[row, _NEWER] = tail, NONE
+    if tail >= 0:
+        narrow[tail, _NEWER] = row
+    else:
+        ends[_HEAD] = row
+    ends[_TAIL] = row
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _touch_one(narrow: Narrow, ends: Rows, row: int) -> None:  # pragma: no cover - native
+    if ends[_TAIL] != row:
+        _unlink(narrow, ends, row)
+        _link_newest(narrow, ends, row)
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _touch(narrow: Narrow, ends: Rows, rows: Rows) -> None:  # pragma: no cover - native
+    """Make each row the most recent, in order."""
+    for row in rows:
+        _touch_one(narrow, ends, row)
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _add(
+    buckets: Buckets,
+    keys: Digests,
+    meta: Rows,
+    wide: Wide,
+    narrow: Narrow,
+    ends: Rows,
+    new_keys: Digests,
+    new_wide: Wide,
+    out: Rows,
+) -> None:  # pragma: no cover - native
+    """New objects, each the most recent in turn (``out``: its row; NONE for a digest
+    present already). The caller made room for all."""
+    for i in range(len(new_keys)):
+        row = claim_one(buckets, keys, meta, new_keys[i, 0], new_keys[i, 1])
+        out[i] = row
+        if row >= 0:
+            wide[row, _OFFSET], wide[row, _SIZE] = new_wide[i, _OFFSET], new_wide[i, _SIZE]
+            narrow[row, _BORROWS] = 0
+            _link_newest(narrow, ends, row)
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _settle(
+    buckets: Buckets,
+    keys: Digests,
+    meta: Rows,
+    wide: Wide,
+    narrow: Narrow,
+    ends: Rows,
+    changes: Rows,
+    change_keys: Digests,
+    change_wide: Wide,
+) -> int:  # pragma: no cover - native
+    """Apply deferred changes in order: touch row ``changes[i]``, or ``_ADD`` an object,
+    or ``_TOUCH_ADDED`` one; returns how many adds found their digest present."""
+    num_present = 0
+    for i in range(len(changes)):
+        row = changes[i]
+        if row == _ADD:
+            row = claim_one(buckets, keys, meta, change_keys[i, 0], change_keys[i, 1])
+            if row < 0:
+                num_present += 1
+                continue
+            wide[row, _OFFSET], wide[row, _SIZE] = change_wide[i, _OFFSET], change_wide[i, _SIZE]
+            narrow[row, _BORROWS] = 0
+            _link_newest(narrow, ends, row)
+        else:
+            if row == _TOUCH_ADDED:
+                row = find_one(buckets, keys, change_keys[i, 0], change_keys[i, 1])
+            _touch_one(narrow, ends, row)
+    return num_present
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _unlink_all(narrow: Narrow, ends: Rows, wide: Wide, rows: Rows) -> None:  # pragma: no cover
+    for row in rows:
+        _unlink(narrow, ends, row)
+        wide[row, _SIZE] = NONE
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _oldest_unborrowed(narrow: Narrow, head: int) -> int:  # pragma: no cover - native
+    row = head
+    while row >= 0 and narrow[row, _BORROWS] > 0:
+        row = narrow[row, _NEWER]
+    return row
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _order(narrow: Narrow, head: int, out: Rows) -> int:  # pragma: no cover - native
+    """Rows from the least recent on into ``out``; how many there were (-1: more)."""
+    row, count = head, 0
+    while row >= 0:
+        if count == len(out):
+            return -1
+        out[count] = row
+        count += 1
+        row = narrow[row, _NEWER]
+    return count
+
+
+class LruObjects:
+    """Stored objects by key digest: arena offset, size and borrows of each, and their
+    order of use (least recent first)."""
+
+    def __init__(self) -> None:
+        self._table = DigestTable()
+        self._wide: Wide = np.zeros((0, 2), np.int64)
+        self._narrow: Narrow = np.zeros((0, 3), np.int32)
+        self._ends: Rows = np.array([NONE, NONE], np.int64)
+        self._later: list[tuple[int, bytes, int, int]] = []
+        """Changes deferred to ``settle``, in order: (row to touch, or ``_ADD`` /
+        ``_TOUCH_ADDED``; digest, offset, size)."""
+        self._added_later: set[bytes] = set()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    @property
+    def nbytes(self) -> int:
+        return self._table.nbytes + self._wide.nbytes + self._narrow.nbytes
+
+    @property
+    def offsets(self) -> Rows:
+        return self._wide[:, _OFFSET]
+
+    @property
+    def sizes(self) -> Rows:
+        """Per row: the object's bytes; NONE for a free row."""
+        return self._wide[:, _SIZE]
+
+    @property
+    def borrows(self) -> Narrow:
+        return self._narrow[:, _BORROWS]
+
+    def find(self, digests: Digests) -> Rows:
+        return self._table.find(digests)
+
+    def find_one(self, digest: bytes) -> int:
+        first, second = words(digest)
+        return int(find_one(self._table.buckets, self._table.keys, first, second))
+
+    def add(self, digests: Digests, offsets: Rows, sizes: Rows) -> Rows:
+        """New objects, most recent last; NONE for a digest present already."""
+        table = self._make_room(len(digests))
+        out = np.empty(len(digests), np.int64)
+        new_wide = np.stack([offsets, sizes], axis=1).astype(np.int64)
+        args = (self._wide, self._narrow, self._ends, digests, new_wide, out)
+        _add(table.buckets, table.keys, table.meta, *args)
+        return out
+
+    def _make_room(self, num_new: int) -> DigestTable:
+        table = self._table
+        table.make_room(num_new)
+        if table.capacity > len(self._wide):
+            self._wide = grown(self._wide, table.capacity, NONE)
+            self._narrow = grown(self._narrow, table.capacity)
+        return table
+
+    def touch(self, rows: Rows) -> None:
+        """Make these rows the most recent, in order."""
+        _touch(self._narrow, self._ends, rows)
+
+    def touch_one(self, row: int) -> None:
+        _touch_one(self._narrow, self._ends, row)
+
+    # A batch of puts defers its changes: one native call applies them all.
+
+    def add_later(self, digest: bytes, offset: int, size: int) -> None:
+        """``add_one`` at the next ``settle`` (``added_later`` knows it until then)."""
+        self._later.append((_ADD, digest, offset, size))
+        self._added_later.add(digest)
+
+    def added_later(self, digest: bytes) -> bool:
+        return digest in self._added_later
+
+    def touch_later(self, row: int | None, digest: bytes = b"") -> None:
+        """``touch_one(row)`` at the next ``settle``; None: the row of ``digest``, which
+        ``add_later`` added."""
+        self._later.append((_TOUCH_ADDED, digest, 0, 0) if row is None else (row, bytes(16), 0, 0))
+
+    def settle(self) -> None:
+        """Apply the deferred changes, in order."""
+        if not self._later:
+            return
+        later, self._later = self._later, []
+        table = self._make_room(len(self._added_later))
+        self._added_later = set()
+        changes = np.array([change[0] for change in later], np.int64)
+        change_keys = digest_words(b"".join(change[1] or bytes(16) for change in later))
+        change_wide = np.array([change[2:] for change in later], np.int64)
+        args = (self._wide, self._narrow, self._ends, changes, change_keys, change_wide)
+        num_present = _settle(table.buckets, table.keys, table.meta, *args)
+        assert num_present == 0, f"{num_present} deferred adds found their key present"
+
+    def remove(self, rows: Rows) -> None:
+        """Forget these rows (each in use, each once)."""
+        assert np.all(self.sizes[rows] >= 0), "a row not in use"
+        _unlink_all(self._narrow, self._ends, self._wide, rows)
+        self._table.release(rows)
+
+    def oldest_unborrowed(self) -> int:
+        """The least recently used row nobody borrows; NONE if none."""
+        return int(_oldest_unborrowed(self._narrow, self._ends[_HEAD]))
+
+    def order(self) -> Rows:
+        """Rows in use, least recently used first."""
+        out = np.empty(len(self), np.int64)
+        count = _order(self._narrow, self._ends[_HEAD], out)
+        assert count == len(self), f"the LRU list holds {count} of {len(self)} rows"
+        return out
+
+    def digest(self, row: int) -> bytes:
+        return self._table.digest(row)
+
+    def digests(self, rows: Rows) -> Digests:
+        return self._table.digests(rows)
+
+    def check(self) -> None:
+        """Raise AssertionError unless table, arrays and the LRU list agree."""
+        self._table.check()
+        in_use = np.flatnonzero(self.sizes >= 0)
+        assert np.array_equal(in_use, self._table.rows()), "rows in use differ from the table's"
+        order = self.order()
+        assert np.array_equal(np.sort(order), in_use), "the LRU list holds other rows"
+        if len(order):
+            older, newer = self._narrow[:, _OLDER], self._narrow[:, _NEWER]
+            assert older[order[0]] == NONE and newer[order[-1]] == NONE
+            assert np.array_equal(older[order[1:]], order[:-1]), "links disagree"
+        assert np.all(self.borrows[in_use] >= 0)
+
+
+def warm_up() -> None:
+    """Compile (or load) the native loops now rather than on a tier's first put."""
+    digest_table.warm_up()
+    objects = LruObjects()
+    rows = objects.add(digest_words(bytes(range(32))), np.zeros(2, np.int64), np.ones(2, np.int64))
+    objects.find_one(bytes(range(16)))
+    objects.add_later(bytes(16), 0, 1)
+    objects.touch_later(None, bytes(16))
+    objects.settle()
+    objects.remove(objects.find(digest_words(bytes(16))))
+    objects.touch(rows[::-1])
+    objects.touch_one(int(rows[0]))
+    objects.oldest_unborrowed()
+    objects.order()
+    objects.remove(rows)
