@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from hybridkv.tiers.base import TierChanges
 from hybridkv.tiers.digest_table import NONE, Digests, Rows, digest_words
 from hybridkv.tiers.disk.index import MAX_OFFSET, DigestIndex
 from hybridkv.tiers.disk.paths import DiskPaths
@@ -157,6 +158,8 @@ class SegmentTable:
         self.next_seq = 1
         self.num_evicted = 0
         """Objects dropped with their segments."""
+        self.changes: TierChanges | None = None
+        """Told of every object removed, by digest (``Tier.log_changes``)."""
 
     def add(self, segment: Segment) -> None:
         """A segment found on disk, as the most recently used."""
@@ -330,7 +333,7 @@ class SegmentTable:
     def evict(self, segment: Segment, *, count: bool = True) -> None:
         """Forget a segment and its objects (its file is the caller's business)."""
         rows = segment.rows[segment.rows >= 0].astype(np.int64)
-        self.index.remove(rows)
+        self._remove(rows)
         if count:
             self.num_evicted += len(rows)
         segment.rows = _no_rows()
@@ -348,8 +351,13 @@ class SegmentTable:
         if now is None or (now.segment, now.slot) != (entry.segment, entry.slot):
             return
         row = entry.segment.rows[entry.slot : entry.slot + 1].astype(np.int64)
-        self.index.remove(row)
+        self._remove(row)
         entry.segment.rows[entry.slot] = SEEN
+
+    def _remove(self, rows: Rows) -> None:
+        if self.changes is not None and len(rows):
+            self.changes.removed_digests(b"".join(self.index.digest(int(r)) for r in rows))
+        self.index.remove(rows)
 
     def lru_idle(self) -> Segment | None:
         return next((s for s in self.segments.values() if s.idle), None)

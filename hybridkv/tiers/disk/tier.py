@@ -31,6 +31,7 @@ from hybridkv.tiers.base import (
     PutStatus,
     StoreKey,
     Tier,
+    TierChanges,
     TierStats,
     TierUsage,
     check_batch,
@@ -187,6 +188,9 @@ class DiskTier(Tier):
         with self._lock:
             for part, ok in zip(parts, written, strict=True):
                 self._commit(part, ok, results)
+            if self._table.changes is not None:  # before _finish_writes may evict them
+                ok_keys = [k for k, r in zip(keys, results, strict=True) if r is PutStatus.OK]
+                self._table.changes.stored(ok_keys)
             for segment in {part[0].segment for part in parts}:
                 self._finish_writes(segment)
         return results
@@ -317,6 +321,15 @@ class DiskTier(Tier):
                 self._dir.mark_dead(entry.segment, entry.slot)
                 num_deleted += 1
         return num_deleted
+
+    def log_changes(self, changes: TierChanges) -> bool:
+        """Objects its puts commit, by key; every removal (evictions, deletes, objects
+        found corrupt or removed from outside) by digest; all under this tier's lock."""
+        changes.keep_digests()
+        with self._lock:
+            self._check_open()
+            self._table.changes = changes
+        return True
 
     def usage(self) -> TierUsage:
         with self._lock:

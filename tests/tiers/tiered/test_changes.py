@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,9 @@ from hypothesis import strategies as st
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
+from hybridkv.tiers.disk.config import DiskConfig
+from hybridkv.tiers.disk.segments import PAGE
+from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.registry import parse_tier_config
 from hybridkv.tiers.tiered.changes import ChangeLog, KeyChange, TierLog
 from hybridkv.tiers.tiered.store import TieredStore
@@ -132,6 +136,29 @@ def test_removals_named_by_digest_become_keys_and_the_oldest_are_withdrawn() -> 
     ]
     tier_log.removed_digests(key_digest(key(0)))  # withdrawn already: nothing more
     assert log.take() == []
+
+
+def test_disk_tier_logs_its_puts_and_names_segment_evictions_and_deletes(tmp_path: Path) -> None:
+    segment = 2 * PAGE + 2 * SIZE  # header and slot table, then two objects
+    config = DiskConfig(path=tmp_path, capacity_bytes=3 * segment, segment_bytes=segment)
+    store = TieredStore([DiskTier(config)])
+    log = ChangeLog()
+    store.record_changes(log)
+    keys = [key(i) for i in range(9)]
+    changes: list[KeyChange] = []
+    for k in keys:  # a segment per two objects, three at most: whole segments evicted
+        assert store.put_many([k], [payload(k)]) == [PutStatus.OK]
+        changes += log.take()
+        held = {k for k, found in zip(keys, store.contains_many(keys), strict=True) if found}
+        assert replay(changes) == held
+    assert changes[:2] == [KeyChange(0, keys[0], True), KeyChange(0, keys[1], True)]
+    assert store.tiers[0].stats().evictions == sum(not c.stored for c in changes) > 0
+    assert store.delete_many([keys[8]]) == 1
+    changes += log.take()
+    assert changes[-1] == KeyChange(0, keys[8], False)
+    held = {k for k, found in zip(keys, store.contains_many(keys), strict=True) if found}
+    assert replay(changes) == held and keys[8] not in held
+    store.close()
 
 
 # --- a pool: the store records what it learns -------------------------------------------
