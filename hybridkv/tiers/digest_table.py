@@ -242,9 +242,17 @@ class DigestTable:
 
 
 def warm_up() -> None:
-    """Compile (or load) the native loops now rather than on a tier's first lookup."""
-    table = DigestTable()
-    rows = table.claim(digest_words(bytes(range(32))))
-    table.find(table.digests(rows))
-    table.reserve(_MIN_BUCKETS)  # rehashes
-    table.release(rows)
+    """Compile (or load) the native loops now rather than on a tier's first lookup: for
+    digests read-only (from bytes) and writable (copies), as callers pass both."""
+    for digests in warm_up_digests():
+        table = DigestTable()
+        rows = table.claim(digests)
+        table.find(digests)
+        table.reserve(_MIN_BUCKETS)  # rehashes
+        table.release(rows)
+
+
+def warm_up_digests() -> tuple[Digests, Digests]:
+    """Two digests, read-only and writable: numba compiles each kind apart."""
+    digests = digest_words(bytes(range(32)))
+    return digests, digests.copy()

@@ -34,6 +34,7 @@ from hybridkv.tiers.disk.files import (
     take_writer_lock,
     unlink,
 )
+from hybridkv.tiers.disk.index import MAX_OFFSET
 from hybridkv.tiers.disk.paths import DiskPaths, is_temp, segment_seq
 from hybridkv.tiers.disk.scan import ScanReport, SlotScan, scan_slots
 from hybridkv.tiers.disk.segments import SLOT_BYTES, SlotState, slot_offset
@@ -149,9 +150,9 @@ class SegmentDirectory:
         if isinstance(opened, str):
             return opened
         fd, header = opened
-        if header.size > max(os.fstat(fd).st_size, self.capacity_bytes):
+        if header.size > min(max(os.fstat(fd).st_size, self.capacity_bytes), MAX_OFFSET):
             os.close(fd)  # restoring that size would fill the disk, or fail
-            return "header claims more bytes than the file and the capacity"
+            return "header claims more bytes than the file and the capacity (or 16 TiB)"
         segment = Segment(header, path, fd, sealed=header.sealed)
         segment.ready.set()
         return segment

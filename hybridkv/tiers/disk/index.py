@@ -12,12 +12,44 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+from numba import njit
 
-from hybridkv.tiers.digest_table import NONE, Digests, DigestTable, Rows, grown
+import hybridkv.native  # noqa: F401  # before numba compiles: see its docstring
+from hybridkv.tiers import digest_table
+from hybridkv.tiers.digest_table import (
+    NONE,
+    Buckets,
+    Digests,
+    DigestTable,
+    Rows,
+    claim_one,
+    grown,
+)
 from hybridkv.tiers.disk.segments import PAGE
 
 MAX_OFFSET = PAGE << 32
-"""Payload offsets are kept in pages, in 32 bits."""
+"""Payload offsets are kept in pages, in 32 bits: segments stay below 16 TiB."""
+
+
+@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
+def _insert(
+    buckets: Buckets,
+    keys: Digests,
+    meta: Rows,
+    segments: npt.NDArray[np.int32],
+    slots: npt.NDArray[np.int32],
+    pages: npt.NDArray[np.uint32],
+    new_keys: Digests,
+    segment: int,
+    new_slots: Rows,
+    new_offsets: Rows,
+    out: Rows,
+) -> None:  # pragma: no cover - native
+    for i in range(len(new_keys)):
+        row = claim_one(buckets, keys, meta, new_keys[i, 0], new_keys[i, 1])
+        out[i] = row
+        if row >= 0:
+            segments[row], slots[row], pages[row] = segment, new_slots[i], new_offsets[i] // PAGE
 
 
 class DigestIndex:
@@ -29,6 +61,7 @@ class DigestIndex:
         """Per row: the segment's number, or NONE for a free row."""
         self._slots = np.zeros(0, np.int32)
         self._pages = np.zeros(0, np.uint32)
+        self.reserve(1)  # callers may read whole columns at row NONE, the last one
 
     def __len__(self) -> int:
         return len(self._table)
@@ -57,14 +90,15 @@ class DigestIndex:
     def insert(self, digests: Digests, segment: int, slots: Rows, offsets: Rows) -> Rows:
         """Index objects of one segment; per object its row, or NONE where its key was
         indexed already (which keeps its own)."""
-        assert np.all(offsets % PAGE == 0) and np.all(offsets < MAX_OFFSET)
-        rows = self._table.claim(digests)
+        table = self._table
+        table.make_room(len(digests))
         self._grow()
-        new = rows >= 0
-        self._segments[rows[new]] = segment
-        self._slots[rows[new]] = slots[new]
-        self._pages[rows[new]] = offsets[new] // PAGE
-        return rows
+        out = np.empty(len(digests), np.int64)
+        columns = (self._segments, self._slots, self._pages)
+        _insert(
+            table.buckets, table.keys, table.meta, *columns, digests, segment, slots, offsets, out
+        )
+        return out
 
     def remove(self, rows: Rows) -> None:
         """Forget these rows (each in use, each once)."""
@@ -93,3 +127,11 @@ class DigestIndex:
         self._table.check()
         in_use = np.flatnonzero(self._segments >= 0)
         assert np.array_equal(in_use, self._table.rows()), "rows in use differ from the table's"
+
+
+def warm_up() -> None:
+    """Compile (or load) the native loops now rather than on a tier's first put or scan."""
+    digest_table.warm_up()
+    for digests in digest_table.warm_up_digests():
+        index = DigestIndex()
+        index.insert(digests, 0, np.zeros(2, np.int64), np.zeros(2, np.int64))

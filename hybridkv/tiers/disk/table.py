@@ -187,17 +187,24 @@ class SegmentTable:
 
     def entries(self, digests: Digests, lengths: list[int]) -> list[Entry | None]:
         """Where each digest's object lives (``lengths``: the sizes the get expects)."""
-        rows = self.index.find(digests)
-        found = np.flatnonzero(rows >= 0)
-        entries: list[Entry | None] = [None] * len(rows)
-        numbers = self.index.segment(rows[found]).tolist()
-        slots = self.index.slot(rows[found]).tolist()
-        offsets = self.index.offset(rows[found]).tolist()
-        for j, number, slot, offset in zip(found.tolist(), numbers, slots, offsets, strict=True):
-            segment = self._numbered[number]
-            assert segment is not None
-            entries[j] = Entry(segment, slot, offset, lengths[j])
-        return entries
+        return self.entries_at(self.index.find(digests), lengths)
+
+    def entries_at(self, rows: Rows, lengths: list[int]) -> list[Entry | None]:
+        """The entry of each index row (NONE: None)."""
+        index, numbered = self.index, self._numbered
+        # Whole columns, NONE rows too (they read the last row): one call each.
+        columns = zip(
+            rows.tolist(),
+            index.segment(rows).tolist(),
+            index.slot(rows).tolist(),
+            index.offset(rows).tolist(),
+            lengths,
+            strict=True,
+        )
+        return [
+            None if row < 0 else Entry(_held(numbered, number), slot, offset, length)
+            for row, number, slot, offset, length in columns
+        ]
 
     def entry(self, digest: bytes, length: int = 0) -> Entry | None:
         return self.entries(digest_words(digest), [length])[0]
@@ -238,11 +245,12 @@ class SegmentTable:
     # Puts -----------------------------------------------------------------------
 
     def reserve_many(
-        self, digests: list[bytes], sizes: list[int], work: FileWork
+        self, digests: list[bytes], sizes: list[int], rows: Rows, work: FileWork
     ) -> list[Reservation | str]:
-        """``reserve`` of each object in turn, with one lookup for them all: no object
-        is indexed in between, and one evicted since was found in a segment gone."""
-        found = self.entries(digest_words(b"".join(digests)), sizes)
+        """``reserve`` of each object in turn, with one lookup for them all (``rows``,
+        from ``index.find``): no object is indexed in between, and one evicted since
+        was found in a segment gone."""
+        found = self.entries_at(rows, sizes)
         items = enumerate(zip(digests, sizes, found, strict=True))
         return [self._reserve(i, digest, size, work, entry) for i, (digest, size, entry) in items]
 
@@ -381,3 +389,9 @@ class SegmentTable:
         assert num_live == len(self.index), f"{num_live} live slots, {len(self.index)} indexed"
         expected = sum(s.size for s in held)
         assert self.allocated == expected, f"allocated {self.allocated} != {expected}"
+
+
+def _held(numbered: list[Segment | None], number: int) -> Segment:
+    segment = numbered[number]
+    assert segment is not None, f"an index row names segment number {number}, which is free"
+    return segment

@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from hybridkv.tiers import digest_table
 from hybridkv.tiers.base import (
     Buffer,
     GetStatus,
@@ -38,7 +37,7 @@ from hybridkv.tiers.base import (
 )
 from hybridkv.tiers.codec import HeaderError, key_digest, key_digests
 from hybridkv.tiers.digest_table import digest_words
-from hybridkv.tiers.disk import preads, reads, segments
+from hybridkv.tiers.disk import index, preads, reads, segments
 from hybridkv.tiers.disk.batches import read_tasks, runs
 from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
 from hybridkv.tiers.disk.directory import SegmentDirectory
@@ -97,7 +96,7 @@ class DiskTier(Tier):
             self._dir.close_files()
             raise
         preads.warm_up()  # compiled (or loaded) now, not on the first get
-        digest_table.warm_up()
+        index.warm_up()
         self._pool = (
             ThreadPoolExecutor(self._num_io_threads, thread_name_prefix=f"hybridkv-{name}")
             if self._num_io_threads > 1
@@ -151,10 +150,12 @@ class DiskTier(Tier):
             self._check_open()
             self._dir.sweep()
             # A key whose file was removed from outside is stored again.
-            rows = self._table.index.find(digest_words(joined)).tolist()
-            self._any_lost([row for row in rows if row >= 0])
+            rows = self._table.index.find(digest_words(joined))
+            if self._any_lost([row for row in rows.tolist() if row >= 0]):
+                rows = self._table.index.find(digest_words(joined))
             sizes = [len(buf) for buf in buffers]
-            for item, reserved in enumerate(self._table.reserve_many(digests, sizes, work)):
+            reserved_all = self._table.reserve_many(digests, sizes, rows, work)
+            for item, reserved in enumerate(reserved_all):
                 if isinstance(reserved, Reservation):
                     reservations.append(reserved)
                 elif reserved == "full":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridkv.tiers.digest_table import digest_words
 from hybridkv.tiers.disk.batches import read_tasks, runs
 from hybridkv.tiers.disk.paths import DiskPaths
 from hybridkv.tiers.disk.segments import PAGE, Geometry
@@ -83,7 +84,9 @@ def test_a_batch_stores_again_what_its_own_reservations_evicted() -> None:
         put(t, name)
     work = FileWork()
     # "a" is found by the batch's one lookup, then "e" evicts its segment.
-    reserved = t.reserve_many([digest("e"), digest("a"), digest("c")], [8192] * 3, work)
+    names = [digest(name) for name in "eac"]
+    rows = t.index.find(digest_words(b"".join(names)))
+    reserved = t.reserve_many(names, [8192] * 3, rows, work)
     assert [r if isinstance(r, str) else r.item for r in reserved] == [0, 1, "exists"]
     assert indexed(t) == {"c", "d"}
     open_all(work)
