@@ -3,9 +3,9 @@
 Worker process; not thread-safe (``CpuTier`` calls it under its lock). Each
 object is a row of numpy arrays: its key digest (``DigestTable``), arena offset
 and size, borrow count and its neighbours in the LRU list (44 B, plus the
-table's buckets), where an OrderedDict entry, a slot object, their ints and the
-key string cost ~360 B per object. Changes run natively: one call per object
-put, per batch otherwise.
+table's buckets), not an OrderedDict entry, a slot object, their ints and the key
+string, several times that (README, Performance). Changes run natively: one call
+per batch.
 """
 
 from __future__ import annotations

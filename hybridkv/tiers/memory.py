@@ -29,7 +29,7 @@ class ExtentAllocator:
 
     ``tracked=False``: the caller keeps each extent's size and hands it to
     ``free``; the allocator then keeps nothing per allocated extent (a dict entry
-    per object cost ~100 B of RAM in a CPU tier of millions of objects).
+    per stored object, in a CPU tier of millions of them).
     """
 
     def __init__(self, total_bytes: int, *, align: int = ALIGN_BYTES, tracked: bool = True) -> None:

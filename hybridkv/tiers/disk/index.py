@@ -1,9 +1,9 @@
 """The disk tier's key index: key digest -> segment number, slot and payload offset.
 
 Any process that opens a disk tier; not thread-safe (``DiskTier`` calls it under
-its lock). A terabyte of 16 KiB objects is 64 million objects: a dict of Python
-objects per key cost 320-400 B each (22 GiB), so each object is a row of numpy
-arrays instead (28 B: the key's 16-byte digest, in ``DigestTable``, then the
+its lock). A terabyte of 16 KiB objects is 64 million objects, too many for a
+dict of Python objects per key (README, Performance), so each object is a row of
+numpy arrays instead (28 B: the key's 16-byte digest, in ``DigestTable``, then the
 segment's number, the slot and the payload offset in pages) plus its share of
 the table's buckets.
 """

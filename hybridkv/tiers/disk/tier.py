@@ -5,8 +5,8 @@ in the scheduler process for lookups. Creating a file per object costs more
 than writing its bytes on ext4, while writing into a preallocated or reused
 file costs less than a plain write into a new one; so objects live in
 segment files (format: ``disk.segments``; files and scans: ``disk.directory``
-and ``disk.scan``; bookkeeping: ``disk.table``, its key index ``disk.index``,
-about 45 B of RAM per object; runs of slots: ``disk.batches``).
+and ``disk.scan``; bookkeeping: ``disk.table`` and its key index ``disk.index``,
+numpy rows, no Python object per object; runs of slots: ``disk.batches``).
 
 A put reserves a slot and a page-aligned data range in the active segment
 (under the lock), writes the payloads of a batch with one ``pwritev`` per
