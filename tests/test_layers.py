@@ -110,6 +110,19 @@ def test_modules_stay_small() -> None:
     assert not large, f"modules over {MAX_MODULE_LINES} lines: {large}"
 
 
+def test_modules_that_compile_with_numba_import_native() -> None:
+    """``hybridkv.native`` wraps llvmlite's library when imported; numba code compiled
+    without it breaks the next vLLM engine started in the process (``native``'s docstring).
+    """
+    wrong = []
+    for module, path in _modules().items():
+        imported = {name for _, name in _imports(path, module)}
+        compiles = any(name.split(".")[0] == "numba" for name in imported)
+        if compiles and module != "hybridkv.native" and "hybridkv.native" not in imported:
+            wrong.append(f"{path.relative_to(ROOT)} imports numba, not hybridkv.native")
+    assert not wrong, "\n".join(wrong)
+
+
 @pytest.mark.parametrize(
     ("module", "heavy"),
     [
