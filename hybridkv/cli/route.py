@@ -13,6 +13,7 @@ from pathlib import Path
 from types import FrameType
 
 from hybridkv.route.engines import Engines, engine_names
+from hybridkv.route.events import EventIndex
 from hybridkv.route.server import RouteServer
 from hybridkv.tools.servers import HOST
 
@@ -24,6 +25,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--card", type=Path, action="append", required=True, help="an engine's "
                         "card (its connector config's engine_card); once per engine; the "
                         "engine's name is the file name without .json")  # fmt: skip
+    parser.add_argument("--events", action="append", default=[], metavar="NAME=ENDPOINT",
+                        help="follow engine NAME's KV events: bind ENDPOINT (e.g. "
+                        "tcp://127.0.0.1:5557) and give the same endpoint to that engine's "
+                        "kv_events_config (publisher zmq); its CPU tier and prefix cache then "
+                        "count too")  # fmt: skip
     parser.add_argument("--host", default=HOST, help=f"address to bind (default {HOST}: this "
                         "machine only; the API has no authentication)")  # fmt: skip
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind (default "
@@ -31,12 +37,25 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    engines = Engines(engine_names(args.card))
     try:
+        cards = engine_names(args.card)
+        endpoints = dict(_split_events(text) for text in args.events)
+        if endpoints:  # vLLM decodes its events; imported only when they are followed
+            from hybridkv.integrations.vllm.event_feed import EventFeed
+        indexes = {name: EventIndex() for name in endpoints}
+        feeds = {
+            name: EventFeed(indexes[name].apply, endpoint=ep) for name, ep in endpoints.items()
+        }
+    except (ValueError, OSError) as exc:  # zmq's errors are OSErrors
+        print(f"hybridkv route: {exc}", file=sys.stderr)
+        return 2
+    try:
+        engines = Engines(cards, events=indexes)
         server = RouteServer(engines, args.host, args.port)
-    except OSError as exc:
-        engines.close()
-        print(f"hybridkv route: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:
+        for feed in feeds.values():
+            feed.close()
+        print(f"hybridkv route: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, _exit)
     for entry in engines.refresh():
@@ -53,7 +72,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
         engines.close()
+        for feed in feeds.values():
+            feed.close()
     return 0
+
+
+def _split_events(text: str) -> tuple[str, str]:
+    name, sep, endpoint = text.partition("=")
+    if not sep or not name or not endpoint.startswith("tcp://"):
+        raise ValueError(f"--events {text!r}: give NAME=tcp://HOST:PORT (an engine's name)")
+    return name, endpoint
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:

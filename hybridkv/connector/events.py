@@ -15,12 +15,43 @@ then under-counts, never over-counts).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from hybridkv.connector.metadata import BlockRef, TierChange, WorkerReport
+from hybridkv.tiers.base import TierMedium
+
+if TYPE_CHECKING:
+    from hybridkv.tiers.registry import TierConfig
 
 MAX_BLOCKS = 1 << 18
 """(tier, block) pairs followed; each costs a few hundred bytes."""
+
+
+class EventSource(NamedTuple):
+    """How the events of one tier name it: vLLM's medium (``CPU``, ``STORAGE``; its own
+    prefix cache is ``GPU``), locality and ownership, as vLLM's offloading names its tiers."""
+
+    medium: str
+    locality: str | None
+    ownership: str | None
+
+    @property
+    def name(self) -> str:
+        """One string per tier kind: ``CPU``, ``STORAGE/disk``, ``STORAGE/valkey``..."""
+        return source_name(self.medium, self.ownership)
+
+
+def source_name(medium: str | None, ownership: str | None) -> str:
+    """What an event's medium and ownership name; no medium is the engine's own cache."""
+    base = medium or "GPU"
+    return base if ownership is None else f"{base}/{ownership}"
+
+
+def event_source(config: TierConfig) -> EventSource:
+    if config.medium is TierMedium.MEMORY:
+        return EventSource(medium="CPU", locality=None, ownership=None)
+    locality = "LOCAL" if config.medium is TierMedium.DISK else "REMOTE"
+    return EventSource(medium="STORAGE", locality=locality, ownership=config.kind)
 
 
 class TierEvent(NamedTuple):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hybridkv.groups import ModelGroups
-from hybridkv.hits import Hit, find_longest_hit
+from hybridkv.hits import Contains, Hit, find_longest_hit
 from hybridkv.keys import BlockHash, KeyBuilder, KeyNamespace
 from hybridkv.tiers.base import StoreKey
 
@@ -61,15 +61,25 @@ class HitSearch:
         *,
         tier_index: int | None = None,
         is_storing: IsStoring | None = None,
+        held_elsewhere: Contains | None = None,
     ) -> Hit:
         """The hit of a request whose chained hashes are ``chain``, over every tier
-        (``tier_index`` None) or one; blocks ``is_storing`` names count as stored."""
+        (``tier_index`` None) or one; blocks ``is_storing`` names count as stored, and
+        so do those ``held_elsewhere`` answers for (tiers the lookup cannot reach,
+        known otherwise)."""
 
-        def contains(group_id: int, indices: Sequence[int]) -> list[bool]:
+        def contains(group_id: int, indices: Sequence[int]) -> Sequence[bool]:
             hashes = self.builders[0].block_hashes(group_id, chain, indices)
             found = [True] * len(hashes)
+            known = (
+                [False] * len(hashes)
+                if held_elsewhere is None
+                else held_elsewhere(group_id, indices)
+            )
             todo = [
-                i for i, h in enumerate(hashes) if is_storing is None or not is_storing(group_id, h)
+                i
+                for i, h in enumerate(hashes)
+                if not known[i] and (is_storing is None or not is_storing(group_id, h))
             ]
             for rank, builder in enumerate(self.builders):  # stored: held by every rank
                 if not todo:
@@ -81,6 +91,10 @@ class HitSearch:
                 todo = [i for i in todo if found[i]]
             return found
 
+        return self.search_in(contains, max_hit_tokens)
+
+    def search_in(self, contains: Contains, max_hit_tokens: int) -> Hit:
+        """The hit over blocks ``contains`` answers for (by group and block index)."""
         return find_longest_hit(
             self.model_groups.groups,
             max_hit_tokens,

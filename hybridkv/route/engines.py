@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.connector.card import read_card
+from hybridkv.route.events import EventIndex
 from hybridkv.route.lookup import EngineHits, EngineLookup, HitQuery
 from hybridkv.tiers.base import Tier
 from hybridkv.tiers.registry import TierConfig
@@ -50,9 +51,15 @@ class EngineEntry:
             alignment_tokens=card.alignment_tokens,
             tp_size=card.tp_size,
             use_eagle=card.use_eagle,
+            events=self.lookup.events is not None,
             selection=card.selection.value,
             tiers=[
-                {"tier_index": i, "kind": tier.kind, "visible": visible}
+                {
+                    "tier_index": i,
+                    "kind": tier.kind,
+                    "visible": visible or self.lookup.events is not None,
+                    "via_events": not visible and self.lookup.events is not None,
+                }
                 for i, (tier, visible) in enumerate(
                     zip(card.tiers, self.lookup.visible, strict=True)
                 )
@@ -95,12 +102,22 @@ class Engines:
 
     ``opened``: lookup-only tiers this process opened already, by config (a pool
     client it has); ``close`` closes them with the tiers the engines opened.
+    ``events``: the KV events followed of some engines, by name: their private tiers
+    and prefix caches (``route.events``).
     """
 
     def __init__(
-        self, cards: dict[str, Path], *, opened: dict[TierConfig, Tier] | None = None
+        self,
+        cards: dict[str, Path],
+        *,
+        opened: dict[TierConfig, Tier] | None = None,
+        events: dict[str, EventIndex] | None = None,
     ) -> None:
+        unknown = sorted(set(events or {}) - set(cards))
+        if unknown:
+            raise ValueError(f"events of engines {unknown} without a card; cards: {list(cards)}")
         self.entries = {name: EngineEntry(name, path) for name, path in cards.items()}
+        self.events = dict(events or {})
         self._opened: dict[TierConfig, Tier] = dict(opened or {})
         self._lock = threading.Lock()
 
@@ -123,7 +140,9 @@ class Engines:
         _forget(entry, stamp, None)
         try:
             card = read_card(entry.path)
-            entry.lookup = EngineLookup(entry.name, card, opened=self._opened)
+            entry.lookup = EngineLookup(
+                entry.name, card, opened=self._opened, events=self.events.get(entry.name)
+            )
         except (OSError, ValueError) as exc:  # ConfigError is a ValueError
             entry.error = str(exc)
             logger.warning("engine %s: %s", entry.name, exc)

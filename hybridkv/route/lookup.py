@@ -7,8 +7,10 @@ as a scheduler in another process than its workers does) and runs the
 scheduler's own search (``HitSearch``) with the engine's groups, alignment,
 drafting and hash settings: the hit it reports is the one the engine's
 scheduler finds for the same tokens, as long as both see the same tiers.
-Tiers private to the engine's processes (CPU memory) are not visible here;
-they answer as misses (``TierHit.visible`` False).
+Tiers private to the engine's processes (CPU memory) are read from the events
+the engine publishes, when it publishes them and this process follows them
+(``route.events``); then so is the engine's own prefix cache. Otherwise they
+answer as misses (``TierHit.visible`` False).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.connector.card import EngineCard
+from hybridkv.connector.events import event_source
 from hybridkv.connector.lookup import LookupView
 from hybridkv.connector.search import HitSearch
 from hybridkv.connector.setup import EngineFacts, build_lookup
-from hybridkv.hits import Hit
+from hybridkv.hits import Contains, Hit
 from hybridkv.keys import BlockHash, RequestBlockHasher, encode_token_ids
+from hybridkv.route.events import DEVICE, EventIndex, PromptBlocks
 from hybridkv.tiers.base import StoreKey, Tier
 from hybridkv.tiers.registry import TierConfig
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
@@ -72,7 +76,10 @@ class TierHit:
     tier_index: int
     kind: str
     visible: bool
-    """False: private to the engine's processes (CPU memory): answered as a miss here."""
+    """False: private to the engine's processes (CPU memory) and no events of the engine
+    followed (or a query without token ids): answered as a miss here."""
+    via_events: bool = False
+    """Read from the engine's KV events, not from the tier itself."""
     hit_tokens: int
     load_bytes_per_rank: int
 
@@ -92,10 +99,17 @@ class EngineHits:
     tier_index: int | None
     """The tier whole-request selection picks; None: per block, the cheapest holding it."""
     tiers: tuple[TierHit, ...]
+    device_hit_tokens: int | None = None
+    """The engine's own prefix cache's hit, from its events; None: not followed."""
 
     @property
     def load_bytes(self) -> int:
         return self.load_bytes_per_rank * self.tp_size
+
+    @property
+    def usable_tokens(self) -> int:
+        """What the engine would not compute: its own cache's hit or the tiers', the longer."""
+        return max(self.hit_tokens, self.device_hit_tokens or 0)
 
     @property
     def complete(self) -> bool:
@@ -112,11 +126,14 @@ class EngineHits:
             "tp_size": self.tp_size,
             "tier_index": self.tier_index,
             "complete": self.complete,
+            "device_hit_tokens": self.device_hit_tokens,
+            "usable_tokens": self.usable_tokens,
             "tiers": [
                 {
                     "tier_index": t.tier_index,
                     "kind": t.kind,
                     "visible": t.visible,
+                    "via_events": t.via_events,
                     "hit_tokens": t.hit_tokens,
                     "load_bytes_per_rank": t.load_bytes_per_rank,
                     "load_bytes": t.load_bytes_per_rank * self.tp_size,
@@ -190,10 +207,17 @@ class EngineLookup:
     """
 
     def __init__(
-        self, name: str, card: EngineCard, *, opened: dict[TierConfig, Tier] | None = None
+        self,
+        name: str,
+        card: EngineCard,
+        *,
+        opened: dict[TierConfig, Tier] | None = None,
+        events: EventIndex | None = None,
     ) -> None:
         self.name = name
         self.card = card
+        self.events = events
+        """The engine's KV events, if followed: its private tiers and prefix cache."""
         lookup, self._owned = build_lookup(
             card.connector_config(), engine_facts(card), opened=opened
         )
@@ -247,27 +271,54 @@ class EngineLookup:
     def find(self, query: HitQuery) -> EngineHits:
         """The engine's hit for ``query``, over every tier and per tier."""
         chain, num_tokens = self.chain(query)
+        blocks = None
+        if self.events is not None and query.token_ids is not None:
+            sizes = [g.block_size for g in self.card.model_groups.groups]
+            blocks = PromptBlocks(
+                self.events,
+                query.token_ids,
+                sizes,
+                lora_name=query.lora_name,
+                cache_salt=query.cache_salt,
+            )
         with self._lock:
             try:
-                return self._find(chain, num_tokens)
+                return self._find(chain, num_tokens, blocks)
             finally:
                 self.tiers.forget()
 
-    def _find(self, chain: Sequence[BlockHash], num_tokens: int) -> EngineHits:
+    def _find(
+        self, chain: Sequence[BlockHash], num_tokens: int, blocks: PromptBlocks | None
+    ) -> EngineHits:
         max_hit_tokens = num_tokens - 1  # the engine computes at least the last token
-        visible = [i for i, seen in enumerate(self.visible) if seen]
+        via_events = [not seen and blocks is not None for seen in self.visible]
+        sources = [event_source(config).name for config in self.card.tiers]
+        visible = [i for i, seen in enumerate(self.visible) if seen or via_events[i]]
+
+        def elsewhere(tiers: Sequence[int]) -> Contains | None:
+            private = [sources[i] for i in tiers if via_events[i]]
+            return None if blocks is None or not private else blocks.contains(private)
+
         per_tier: dict[int, Hit] = {}  # a tier not seen here holds nothing
         best: Hit | None = None
         if max_hit_tokens > 0 and len(visible) == 1:  # that tier's hit is the engine's
-            best = per_tier[visible[0]] = self._search(chain, max_hit_tokens, None)
+            best = per_tier[visible[0]] = self._search(
+                chain, max_hit_tokens, None, elsewhere(visible)
+            )
         elif max_hit_tokens > 0 and visible:
-            per_tier = {i: self._search(chain, max_hit_tokens, i) for i in visible}
-            best = self._search(chain, max_hit_tokens, None)
+            per_tier = {i: self._search(chain, max_hit_tokens, i, elsewhere([i])) for i in visible}
+            best = self._search(chain, max_hit_tokens, None, elsewhere(visible))
+        device = None
+        if blocks is not None:
+            device = 0
+            if max_hit_tokens > 0:
+                device = self.search.search_in(blocks.contains([DEVICE]), max_hit_tokens).num_tokens
         tiers = tuple(
             TierHit(
                 tier_index=i,
                 kind=config.kind,
-                visible=self.visible[i],
+                visible=self.visible[i] or via_events[i],
+                via_events=via_events[i],
                 hit_tokens=0 if i not in per_tier else per_tier[i].num_tokens,
                 load_bytes_per_rank=0 if i not in per_tier else self.search.load_bytes(per_tier[i]),
             )
@@ -285,10 +336,19 @@ class EngineLookup:
             tp_size=self.card.tp_size,
             tier_index=tier_index,
             tiers=tiers,
+            device_hit_tokens=device,
         )
 
-    def _search(self, chain: Sequence[BlockHash], max_hit_tokens: int, tier: int | None) -> Hit:
-        return self.search.search(self.tiers, chain, max_hit_tokens, tier_index=tier)
+    def _search(
+        self,
+        chain: Sequence[BlockHash],
+        max_hit_tokens: int,
+        tier: int | None,
+        elsewhere: Contains | None,
+    ) -> Hit:
+        return self.search.search(
+            self.tiers, chain, max_hit_tokens, tier_index=tier, held_elsewhere=elsewhere
+        )
 
     def close(self) -> None:
         for tier in self._owned:

@@ -88,14 +88,15 @@ def _block_hashes(raw: object) -> list[BlockHash]:
 
 def answer(engines: Engines, body: object) -> dict[str, Any]:
     """The ``/lookup`` answer for ``body``: every engine's hits and the engine with
-    the most hit tokens (``best``, null when none hits)."""
+    the most usable tokens (``best``: its tiers' or its own cache's hit, the longer;
+    null when none hits)."""
     query, names = parse_query(body)
     found = engines.find(query, names)
     hits = [f for f in found if isinstance(f, EngineHits)]
-    best = max(hits, key=lambda h: h.hit_tokens, default=None)
+    best = max(hits, key=lambda h: h.usable_tokens, default=None)
     return {
         "engines": [f.to_dict() for f in found],
-        "best": None if best is None or best.hit_tokens == 0 else best.engine,
+        "best": None if best is None or best.usable_tokens == 0 else best.engine,
     }
 
 

@@ -25,13 +25,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.events import event_source
 from hybridkv.connector.metadata import ConnectorMetadata, LoadOutcome, WorkerReport
 from hybridkv.connector.metrics import Sample, scheduler_samples, worker_samples
 from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.setup import build_scheduler, build_worker
 from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.groups import GroupKind
-from hybridkv.integrations.vllm.events import BlockEvents, event_source, group_events
+from hybridkv.integrations.vllm.events import BlockEvents, group_events
 from hybridkv.integrations.vllm.facts import engine_facts
 from hybridkv.integrations.vllm.metrics import (
     CounterDeltas,

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
     maybe_convert_block_hash,
@@ -40,7 +40,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
-from hybridkv.connector.events import TierEvent, TierEvents
+from hybridkv.connector.events import EventSource, TierEvent, TierEvents
 from hybridkv.connector.metadata import (
     BlockRef,
     BlockTransfer,
@@ -49,30 +49,11 @@ from hybridkv.connector.metadata import (
     StorePlan,
     WorkerReport,
 )
-from hybridkv.tiers.base import TierMedium
-from hybridkv.tiers.registry import TierConfig
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_TOKENS = 1 << 22
 """Tokens of the names kept for blocks some tier has still to announce."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class EventSource:
-    """How the events of one tier name it."""
-
-    medium: str
-    locality: str | None
-    ownership: str | None
-
-
-def event_source(config: TierConfig) -> EventSource:
-    if config.medium is TierMedium.MEMORY:
-        return EventSource(medium=MEDIUM_CPU, locality=None, ownership=None)
-    local = config.medium is TierMedium.DISK
-    locality = "LOCAL" if local else "REMOTE"
-    return EventSource(medium=MEDIUM_STORAGE, locality=locality, ownership=config.kind)
 
 
 class GroupEvents(NamedTuple):

@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
+from hybridkv.connector.events import event_source
 from hybridkv.connector.metadata import (
     BlockRef,
     BlockTransfer,
@@ -40,7 +41,7 @@ from hybridkv.connector.metadata import (
     TierChange,
     WorkerReport,
 )
-from hybridkv.integrations.vllm.events import BlockEvents, event_source, group_events
+from hybridkv.integrations.vllm.events import BlockEvents, group_events
 from hybridkv.keys import BlockHash, RequestBlockHasher
 from hybridkv.tiers.cpu import CpuConfig
 from hybridkv.tiers.disk.config import DiskConfig
@@ -212,3 +213,16 @@ def test_a_block_whose_name_was_dropped_is_not_published() -> None:
     (removed,) = ours.take_events()
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == event.block_hashes
     ours.check_integrity()
+
+
+def test_tiers_are_named_with_vllm_s_own_media() -> None:
+    from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
+
+    from hybridkv.connector.events import source_name
+
+    cpu = event_source(CpuConfig(capacity_bytes=1 << 20))
+    disk = event_source(DiskConfig(path="/tmp/unused", capacity_bytes=1 << 20))
+    assert (cpu.medium, cpu.locality, cpu.ownership) == (MEDIUM_CPU, None, None)
+    assert (disk.medium, disk.locality, disk.ownership) == (MEDIUM_STORAGE, "LOCAL", "disk")
+    assert (cpu.name, disk.name) == (MEDIUM_CPU, f"{MEDIUM_STORAGE}/disk")
+    assert source_name(None, None) == source_name(MEDIUM_GPU, None) == MEDIUM_GPU
