@@ -9,6 +9,9 @@
   the same tokens as the engine alone, hits from the CPU tier.
 * ``shared`` over a Mooncake pool the bench starts: engine 1 hits what engine 0
   stored.
+* ``route``: two engine processes on a small Valkey pool, each with a CPU tier
+  smaller than the workload; the router by hits (lookups over the pool and the
+  engines' KV events) against round-robin.
 
 Each run is a ``hybridkv bench`` subprocess writing ``--json``; the tests read it.
 """
@@ -141,6 +144,34 @@ def test_shared_pool_serves_the_second_engine(harness: Harness) -> None:
     (target,) = [t for t in document["targets"] if "engine 1's hit rate" in t["name"]]
     assert target["met"], target
     assert second["outputs"]["differ"] == 0 and second["outputs"]["match"] == 4
+
+
+def test_routing_by_hits_beats_round_robin_and_predicts_the_engines_hits(
+    harness: Harness,
+) -> None:
+    params = {"documents": 6, "document_tokens": 320, "questions": 3, "clients": 3,
+              "rounds": 3, "question_tokens": 32, "kv_cache_mib": 1, "cpu_tier_mib": 1,
+              "pool_mib": 2}  # fmt: skip
+    args = [a for name, value in params.items() for a in ("--param", f"{name}={value}")]
+    document = bench(harness, "route", "route", *args)
+    policies = document["policies"]
+    rr, hits = policies["round-robin"], policies["hits"]
+    assert rr["requests"] == hits["requests"] == 27
+    for policy in policies.values():
+        assert policy["outputs"]["differ"] == 0 and policy["outputs"]["match"] == 27
+    # Each engine's caches hold what it served: sent back there, a request hits more.
+    assert hits["hit_tokens"] >= 1.2 * rr["hit_tokens"] > 0
+    assert min(hits["per_engine"]) >= 5  # ties go to the engine that served fewer
+    assert rr["per_engine"] == [14, 13]
+    # The router's answer for the engine it chose is what that engine then had cached
+    # (its events may trail it by a step: then the router under-counts).
+    predicted = [(r["predicted"], r["num_cached_tokens"]) for r in hits["records"]]
+    assert all(p >= 0 for p, _ in predicted)
+    assert sum(p == c for p, c in predicted) >= 0.8 * len(predicted)
+    assert sum(p > c for p, c in predicted) <= 1
+    assert all(r["predicted"] == -1 for r in rr["records"])
+    (ratio,) = [t for t in document["targets"] if t["name"].startswith("router hit tokens")]
+    assert ratio["value"] == pytest.approx(hits["hit_tokens"] / rr["hit_tokens"])
 
 
 def test_work_dir_holds_the_engine_logs(harness: Harness) -> None:

@@ -75,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         from hybridkv.cli.bench.hosts import run_hosts
 
         return run_hosts(args, overrides)
+    if args.workload == WorkloadKind.ROUTE.value:
+        from hybridkv.cli.bench.route import run_route
+
+        return run_route(args, overrides)
     kind = WorkloadKind(args.workload)
     params = PRESETS[kind].replace(overrides)
     setups = parse_setups(args.setups or DEFAULT_SETUPS[kind])

@@ -37,6 +37,8 @@ class EngineLaunch:
     """A ``--kv-transfer-config`` document, or None for the engine alone."""
     log_path: Path
     env: dict[str, str]
+    events: dict[str, Any] | None = None
+    """vLLM's ``KVEventsConfig`` fields, or None: no KV events."""
 
 
 class EngineFailed(RuntimeError):
@@ -164,11 +166,13 @@ def _engine_main(launch: EngineLaunch, conn: Any) -> None:
 
 def _make_llm(launch: EngineLaunch) -> Any:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     kwargs = dict(launch.engine_kwargs, disable_log_stats=False)
     if launch.transfer is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**launch.transfer)
+    if launch.events is not None:
+        kwargs["kv_events_config"] = KVEventsConfig(**launch.events)
     return LLM(**kwargs)
 
 

@@ -15,6 +15,10 @@ seeded generator, so every run of a preset sends the same tokens.
   and on a restarted engine.
 * ``shared``: two engines; each document is asked Q times on engine 0, then Q
   times on engine 1, which can only hit it through a shared pool.
+* ``route``: C conversations of R rounds (each opens with a document of its
+  own) and D documents asked Q times each, their requests one at a time in a
+  seeded random order (``schedule``), for a router to send to one of two
+  engines.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +38,7 @@ class WorkloadKind(enum.Enum):
     MULTI_TURN = "multi-turn"
     RESTART = "restart"
     SHARED = "shared"
+    ROUTE = "route"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +80,10 @@ class WorkloadParams:
     """The engine's KV cache memory (``kv_cache_memory_bytes``), MiB."""
     max_num_batched_tokens: int = 512
     """Prefill chunk; small enough that a sliding-window group needs few blocks."""
+    cpu_tier_mib: int = 4096
+    """route: each engine's CPU tier, MiB."""
+    pool_mib: int = 2048
+    """route: the shared pool's memory (valkey-server ``maxmemory``), MiB."""
 
     def replace(self, overrides: dict[str, str]) -> WorkloadParams:
         """These params with ``name=value`` strings applied (ValueError names bad ones)."""
@@ -97,6 +107,7 @@ class WorkloadParams:
             for name in (
                 "documents", "document_tokens", "questions", "question_tokens",
                 "answer_tokens", "clients", "rounds", "kv_cache_mib", "max_num_batched_tokens",
+                "cpu_tier_mib", "pool_mib",
             )
             if getattr(self, name) < 1
         ]  # fmt: skip
@@ -125,6 +136,18 @@ PRESETS: dict[WorkloadKind, WorkloadParams] = {
     ),
     WorkloadKind.RESTART: WorkloadParams(documents=4, document_tokens=4096, questions=1),
     WorkloadKind.SHARED: WorkloadParams(documents=3, document_tokens=2048, questions=2),
+    WorkloadKind.ROUTE: WorkloadParams(
+        clients=4,
+        rounds=3,
+        documents=6,
+        document_tokens=1024,
+        questions=3,
+        question_tokens=64,
+        answer_tokens=16,
+        kv_cache_mib=24,
+        cpu_tier_mib=64,
+        pool_mib=32,
+    ),
 }
 """Presets that finish in a few minutes per setup on 2 cores with Gemma 3 270M's shape."""
 
@@ -135,6 +158,8 @@ class Workload:
     params: WorkloadParams
     clients: tuple[Client, ...]
     engines: int = 1
+    schedule: tuple[int, ...] = ()
+    """route: the order of requests, as client indices (each names that client's next)."""
 
     @property
     def num_requests(self) -> int:
@@ -190,6 +215,8 @@ def build_workload(kind: WorkloadKind, params: WorkloadParams, vocab_size: int) 
         seed = rng.randrange(1 << 30)
         return tuple(default_prompt_token_ids(n, vocab_size=vocab_size, seed=seed))
 
+    if kind is WorkloadKind.ROUTE:
+        return _route_workload(params, tokens, rng)
     if kind is WorkloadKind.MULTI_TURN:
         clients = tuple(
             Client(
@@ -235,3 +262,36 @@ def build_workload(kind: WorkloadKind, params: WorkloadParams, vocab_size: int) 
         Client(requests=tuple(asked[c :: params.clients])) for c in range(params.clients)
     )
     return Workload(kind=kind, params=params, clients=tuple(c for c in clients if c.requests))
+
+
+def _route_workload(
+    params: WorkloadParams, tokens: Callable[[int], tuple[int, ...]], rng: random.Random
+) -> Workload:
+    def request(prefix: tuple[int, ...], with_history: bool) -> Request:
+        question = tokens(params.question_tokens)
+        return Request(
+            prefix=prefix, question=question, max_tokens=params.answer_tokens,
+            with_history=with_history,
+        )  # fmt: skip
+
+    conversations = [
+        Client(
+            requests=tuple(
+                request(tokens(params.document_tokens) if r == 0 else (), r > 0)
+                for r in range(params.rounds)
+            )
+        )
+        for _ in range(params.clients)
+    ]
+    documents = [tokens(params.document_tokens) for _ in range(params.documents)]
+    asked = [
+        Client(requests=tuple(request(doc, False) for _ in range(params.questions)))
+        for doc in documents
+    ]
+    clients = (*conversations, *asked)
+    schedule = [c for c, client in enumerate(clients) for _ in client.requests]
+    rng.shuffle(schedule)
+    return Workload(
+        kind=WorkloadKind.ROUTE, params=params, clients=clients, engines=2,
+        schedule=tuple(schedule),
+    )  # fmt: skip
