@@ -6,8 +6,10 @@ absent it does after the search, from ``Hit.first_miss_token``. The answer
 equals vLLM's hybrid coordinator (cache-hit alignment ``alignment_tokens``, no
 sub-block hits): each kind of group either accepts the candidate length or
 shrinks it, and passes repeat until no group shrinks it. Unlike the engine's
-per-block dictionary probes, every group is asked at most once per pass,
-batched over every block index it needs in that pass; answers are remembered
+per-block dictionary probes, every group is asked at most twice per pass,
+batched over the block indices it needs in that pass: first, where its rule
+has one, only the blocks that settle the longest hit (a window's last run, the
+last state), then, if one of them is missing, the rest. Answers are remembered
 across passes.
 """
 
@@ -86,29 +88,48 @@ class _GroupSearch:
         """EAGLE-style drafting drops these groups' last hit block."""
 
     def search(self, bound: int, drop: bool, align: int, contains: Contains) -> Found:
-        """These groups' hit for ``bound``; asks each of its groups at most once."""
+        """These groups' hit for ``bound``; asks each of its groups at most twice."""
         lo, hi = self.rule.window(self.group, bound)
         hi = max(lo, hi)
         a = align // self.group.block_size
-        for member, (group_id, asked) in enumerate(zip(self.group_ids, self.asked, strict=True)):
+        probe = None if self.any_missing else self.rule.probe(self.group, lo, hi, drop, a)
+        if probe is not None and 2 * len(probe) < hi - lo:
+            for member, group_id in enumerate(self.group_ids):
+                ids = np.flatnonzero(~self.asked[member][probe.start : probe.stop]) + probe.start
+                if ids.size == len(probe):
+                    self._ask(member, group_id, probe, contains)
+                elif ids.size:
+                    self._ask(member, group_id, ids, contains)
+            if not self.any_missing:  # held: the longest hit there is, whatever else is
+                self.found = self.rule.find(self.group, lo, b"\x01" * (hi - lo), drop, align)
+                return self.found
+        for member, group_id in enumerate(self.group_ids):
             block_ids = self._to_ask(member, lo, hi, drop, a)
-            if len(block_ids) == 0:
-                continue
-            self.never_asked[member] = False
-            where: slice | npt.NDArray[np.intp]
-            if isinstance(block_ids, range):
-                got = _as_bools(contains(group_id, block_ids), len(block_ids), group_id)
-                where = slice(block_ids.start, block_ids.stop, block_ids.step)
-            else:
-                got = _as_bools(contains(group_id, block_ids.tolist()), block_ids.size, group_id)
-                where = block_ids
-            asked[where] = True
-            if got is not None:
-                self.missing[where] |= ~got
-                self.any_missing = True
+            if len(block_ids):
+                self._ask(member, group_id, block_ids, contains)
         have = (~self.missing[lo:hi]).tobytes()
         self.found = self.rule.find(self.group, lo, have, drop, align)
         return self.found
+
+    def _ask(
+        self,
+        member: int,
+        group_id: int,
+        block_ids: range | npt.NDArray[np.intp],
+        contains: Contains,
+    ) -> None:
+        self.never_asked[member] = False
+        where: slice | npt.NDArray[np.intp]
+        if isinstance(block_ids, range):
+            got = _as_bools(contains(group_id, block_ids), len(block_ids), group_id)
+            where = slice(block_ids.start, block_ids.stop, block_ids.step)
+        else:
+            got = _as_bools(contains(group_id, block_ids.tolist()), block_ids.size, group_id)
+            where = block_ids
+        self.asked[member][where] = True
+        if got is not None:
+            self.missing[where] |= ~got
+            self.any_missing = True
 
     def _to_ask(
         self, member: int, lo: int, hi: int, drop: bool, a: int

@@ -97,6 +97,11 @@ class KindRules:
         """Which indices of the window (``maybe``: no group said missing) can still matter."""
         return maybe
 
+    def probe(self, group: KVGroup, lo: int, hi: int, drop: bool, a: int) -> range | None:
+        """The blocks that, all held, make the longest hit the window allows: asked first,
+        alone, when the rule reads far more than them (None: no such shortcut)."""
+        return None
+
     def find(self, group: KVGroup, lo: int, have: bytes, drop: bool, align: int) -> Found:
         raise NotImplementedError
 

@@ -30,6 +30,10 @@ class MambaRules(KindRules):
         out[a - 1 :: a] = maybe[a - 1 :: a]
         return out
 
+    def probe(self, group: KVGroup, lo: int, hi: int, drop: bool, a: int) -> range | None:
+        last = hi - 1 - (hi - a) % a  # the last state at an aligned block end
+        return range(last, last + 1) if last >= lo else None
+
     def find(self, group: KVGroup, lo: int, have: bytes, drop: bool, align: int) -> Found:
         a = align // group.block_size
         pos = have[a - 1 :: a].rfind(b"\x01")

@@ -44,6 +44,12 @@ class SlidingWindowRules(KindRules):
         delta[ends[keep]] = -1
         return np.cumsum(delta[:-1]) > 0
 
+    def probe(self, group: KVGroup, lo: int, hi: int, drop: bool, a: int) -> range | None:
+        # The run ending on the last qualifying block: held, no run further right exists.
+        need, phase = self._need(group, drop), 0 if drop else a - 1
+        last = hi - 1 - (hi - 1 - phase) % a
+        return range(last - need + 1, last + 1) if last - need + 1 >= lo else None
+
     def find(self, group: KVGroup, lo: int, have: bytes, drop: bool, align: int) -> Found:
         need, a, bs = self._need(group, drop), align // group.block_size, group.block_size
         # A run's last block e qualifies when the hit after the EAGLE drop is aligned.
