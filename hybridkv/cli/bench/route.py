@@ -67,6 +67,10 @@ class PolicyRun:
 
 
 def run_route(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    if args.engine != "offline" or args.setups or args.plot:
+        print("[bench] route compares its own runs (alone, round-robin, hits) on offline "
+              "engines: drop --engine, --setups and --plot", file=sys.stderr)  # fmt: skip
+        return 2
     params = PRESETS[WorkloadKind.ROUTE].replace(overrides)
     work_dir = (args.work_dir or default_cache_dir() / "bench").expanduser().resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
