@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import Field, StrictInt, StrictStr
 from pydantic.dataclasses import dataclass
 
+from hybridkv.connector.recency import EvictionOrder
 from hybridkv.keys import HashAlgo
 from hybridkv.paths import CACHE_DIR_ENV, default_cache_dir
 from hybridkv.schema import CONFIG, ByteSize, Number, UserPath, parse
@@ -68,6 +69,17 @@ class ConnectorConfig:
             )
         ),
     ] = Selection.PER_BLOCK
+    eviction_order: Annotated[
+        EvictionOrder,
+        Field(
+            description=(
+                "chain: whenever a request's blocks are stored or loaded, the cpu tier "
+                "reorders all of them so its last blocks are evicted first and its first "
+                "blocks (which every hit needs) last; lru: plain recency, a prompt's first "
+                "blocks go first"
+            )
+        ),
+    ] = EvictionOrder.CHAIN
     load_timeout_s: Annotated[
         Number,
         Field(gt=0, allow_inf_nan=False, description="a load still running after this recomputes"),

@@ -178,6 +178,7 @@ def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -
         transfer_config=TransferConfig(
             load_timeout_s=config.load_timeout_s, device_chunk_bytes=config.device_chunk_bytes
         ),
+        eviction_order=config.eviction_order,
     )
 
 

@@ -8,7 +8,9 @@ load of a block this worker is still storing waits for that store. Stores are
 copied out of the KV tensors from ``save`` on (the step that computed them;
 asynchronously on CUDA, where ``fence`` keeps the engine from writing a block
 before its copy is done) and written to the tiers in the background; a store
-that cannot be queued is dropped and reported.
+that cannot be queued is dropped and reported. With ``EvictionOrder.CHAIN`` each
+request's blocks are touched in the tiers, last block first, whenever some were
+stored or loaded (``connector.recency``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from hybridkv.connector.metadata import (
     TierChange,
     WorkerReport,
 )
+from hybridkv.connector.recency import ChainRecency, EvictionOrder
 from hybridkv.connector.stats import WorkerStats
 from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace
@@ -59,6 +62,7 @@ class _Part:
 
     part: TransferPart
     refs: tuple[BlockRef, ...]
+    req_id: str
     waited_for_store: bool = False
 
 
@@ -86,6 +90,7 @@ class ConnectorWorker:
         tp_rank: int = 0,
         tp_size: int = 1,
         transfer_config: TransferConfig | None = None,
+        eviction_order: EvictionOrder = EvictionOrder.CHAIN,
     ) -> None:
         self.model_groups = model_groups
         self.store = store
@@ -103,6 +108,9 @@ class ConnectorWorker:
         self._storing: Counter[StoreKey] = Counter()
         """Keys of store jobs in flight (a load of them waits)."""
         self._report = _ReportBuilder(tp_rank)
+        block_sizes = [group.block_size for group in model_groups.groups]
+        self.chains = ChainRecency(block_sizes) if eviction_order is EvictionOrder.CHAIN else None
+        """Per request, the blocks to touch in chain order (None: plain recency)."""
 
     # --- set-up ----------------------------------------------------------------
 
@@ -143,7 +151,7 @@ class ConnectorWorker:
         now = time.monotonic()
         for plan in loads:
             outcome = LoadOutcome.OK if plan.planned else LoadOutcome.UNPLANNED
-            parts = self._split(plan.transfers, tier_index=plan.tier_index)
+            parts = self._split(plan.req_id, plan.transfers, tier_index=plan.tier_index)
             load = _Load(plan=plan, started=now, parts=parts, outcome=outcome)
             self._loads[plan.req_id] = load
         self._submit_waiting(now)
@@ -152,7 +160,7 @@ class ConnectorWorker:
         """Gather this step's blocks now; the tiers are written in the background."""
         engine = self._engine()
         for plan in stores:
-            for p in self._split(plan.transfers):
+            for p in self._split(plan.req_id, plan.transfers):
                 counts = self.stats.groups[p.part.group_id]
                 job_id = engine.submit_store((p.part,))
                 if job_id is None:
@@ -161,6 +169,13 @@ class ConnectorWorker:
                     continue
                 self._job_stores[job_id] = (p,)
                 self._storing.update(p.part.keys)
+                if self.chains is not None:
+                    self.chains.start_store(plan.req_id)
+
+    def finish_requests(self, req_ids: frozenset[str] | set[str]) -> None:
+        """The engine finished these requests (their stores still run to the end)."""
+        if self.chains is not None:
+            self.chains.finish(req_ids)
 
     def poll(self) -> WorkerReport:
         """Collect finished jobs; report loads that are complete and blocks stored."""
@@ -175,8 +190,16 @@ class ConnectorWorker:
                 self._drop_parts(load)
             if not load.jobs and not load.parts:
                 self._finish(req_id, load, now)
+        self._touch_chains()
         self._take_tier_changes()
         return WorkerReport(ranks=(self._report.take(),))
+
+    def _touch_chains(self) -> None:
+        """Each request whose blocks were stored or loaded since the last poll: all of its
+        blocks, one batch, head last (most recent)."""
+        if self.chains is not None:
+            for keys in self.chains.take_orders():
+                self.store.touch_many(keys)
 
     def _take_tier_changes(self) -> None:
         """What the tiers stored and removed, by block (recorded only when the engine
@@ -206,6 +229,8 @@ class ConnectorWorker:
             k for parts in self._job_stores.values() for p in parts for k in p.part.keys
         )
         assert storing == +self._storing, "in-flight store keys out of sync"
+        if self.chains is not None:
+            self.chains.check_integrity()
 
     def close(self) -> None:
         if self.engine is not None:
@@ -220,10 +245,11 @@ class ConnectorWorker:
         return self.engine
 
     def _split(
-        self, transfers: Sequence[BlockTransfer], *, tier_index: int | None = None
+        self, req_id: str, transfers: Sequence[BlockTransfer], *, tier_index: int | None = None
     ) -> list[_Part]:
         """Jobs of at most one part per group and 1/JOB_SHARE of the staging arena; a
-        load's parts name the tier it reads from (None: the cheapest holding each block)."""
+        load's parts name the tier it reads from (None: the cheapest holding each block).
+        The request's chain learns every block."""
         limit = max(self._engine().max_job_bytes // JOB_SHARE, 1)
         parts: list[_Part] = []
         for t in transfers:
@@ -232,8 +258,12 @@ class ConnectorWorker:
                 hashes = t.block_hashes[start : start + per_job]
                 keys = self.keys.keys_of(t.group_id, hashes)
                 block_ids = t.block_ids[start : start + per_job]
+                indices = t.block_indices[start : start + per_job]
                 part = TransferPart(t.group_id, block_ids, keys, tier_index)
-                parts.append(_Part(part, tuple(BlockRef(t.group_id, h) for h in hashes)))
+                refs = tuple(BlockRef(t.group_id, h) for h in hashes)
+                parts.append(_Part(part, refs, req_id))
+                if self.chains is not None:
+                    self.chains.add(req_id, t.group_id, indices, keys)
         return parts
 
     def _submit_waiting(self, now: float) -> None:
@@ -277,6 +307,8 @@ class ConnectorWorker:
         parts = self._job_stores.pop(result.job_id, ())
         for p in parts:
             self._storing.subtract(p.part.keys)
+            if self.chains is not None:
+                self.chains.end_store(p.req_id)
             counts = self.stats.groups[p.part.group_id]
             block_bytes = self.model_groups.groups[p.part.group_id].block_bytes
             stored = _refs_of(p, result.ok_block_ids)
@@ -315,6 +347,8 @@ class ConnectorWorker:
             LoadResult(req_id=req_id, outcome=load.outcome, failed_block_ids=tuple(failed))
         )
         self.stats.loads[load.outcome] += 1
+        if self.chains is not None:
+            self.chains.touched(req_id)
         # Until the last block landed, not until this poll: vLLM polls once a step, and a
         # load that lands during a long prefill step would count the whole step.
         landed = load.landed

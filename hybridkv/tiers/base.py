@@ -206,6 +206,11 @@ class Tier(abc.ABC):
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove keys; returns how many were present."""
 
+    def touch_many(self, keys: Sequence[StoreKey]) -> None:
+        """Make the stored ones of these keys the most recently used, in order (the last
+        key ends most recent; absent keys are skipped). The default does nothing: a tier
+        that evicts by another rule (or on a server) ignores it."""
+
     @abc.abstractmethod
     def usage(self) -> TierUsage: ...
 

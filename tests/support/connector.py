@@ -56,7 +56,9 @@ def make_engine(
     transfer_config = TransferConfig(
         staging_bytes=STAGING_BYTES, load_timeout_s=load_timeout_s, **(transfer or {})
     )
-    worker = ConnectorWorker(model_groups, store, transfer_config=transfer_config)
+    worker = ConnectorWorker(
+        model_groups, store, transfer_config=transfer_config, eviction_order=config.eviction_order
+    )
     if lookup is None:
         lookup = lookup_for_store(store)
     scheduler = ConnectorScheduler(model_groups, lookup, selection=config.selection)
@@ -152,6 +154,9 @@ class GatedTier(Tier):
         checksums: Sequence[int] | None = None,
     ) -> list[PutStatus]:
         return self.inner.put_many(keys, buffers, checksums)
+
+    def touch_many(self, keys: Sequence[StoreKey]) -> None:
+        self.inner.touch_many(keys)
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         self.num_waiting += 1

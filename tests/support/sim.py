@@ -253,6 +253,7 @@ class SimEngine:
     def finish(self, req_id: str) -> bool:
         """The engine finishes a request; True if its blocks must wait for the worker."""
         hold = self.scheduler.request_finished(req_id)
+        self.worker.finish_requests({req_id})
         if hold:
             self.requests[req_id].finished = True
         else:

@@ -123,6 +123,22 @@ def test_lru_eviction_order_with_uniform_sizes() -> None:
     tier.check_integrity()
 
 
+def test_touch_many_sets_the_order_evictions_then_follow() -> None:
+    """A chain touched last block first: later puts evict its tail first, its head last."""
+    size = 1000  # rounds to 1024: eight fit in 8192 bytes
+    tier = cpu_tier(8192)
+    chain = [key(f"chain/{i}") for i in range(8)]
+    tier.put_many(chain, [payload(k, size) for k in chain])  # block 0 least recent
+    tier.touch_many([*reversed(chain), key("absent")])
+    assert tier.lru_digests() == digests(chain[::-1])
+    assert tier.stats().gets == 0  # a touch is no read
+    for n, k in enumerate(key(f"new/{i}") for i in range(5)):
+        assert tier.put_many([k], [payload(k, size)]) == [PutStatus.OK]
+        assert tier.contains_many(chain) == [True] * (7 - n) + [False] * (n + 1)
+    assert tier.stats().evictions == 5
+    tier.check_integrity()
+
+
 def test_exists_keeps_the_first_value() -> None:
     tier = cpu_tier(1 << 16)
     k = key("first")
@@ -145,7 +161,11 @@ def test_object_larger_than_capacity_is_full_and_keeps_the_rest() -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["put", "get", "delete"]), st.integers(0, 11), st.integers(0, 2)),
+        st.tuples(
+            st.sampled_from(["put", "get", "delete", "touch"]),
+            st.integers(0, 11),
+            st.integers(0, 2),
+        ),
         max_size=60,
     )
 )
@@ -177,6 +197,13 @@ def test_lru_against_reference_model(ops: list[tuple[str, int, int]]) -> None:
                 recency.append(k)
             else:
                 assert got is GetStatus.MISS
+        elif op == "touch":
+            touched = [k, key((i + 1) % 12), key((i + 5) % 12)]
+            present = tier.contains_many(touched)
+            tier.touch_many(touched)
+            for t in (t for t, p in zip(touched, present, strict=True) if p):
+                recency.remove(t)
+                recency.append(t)
         elif op == "delete":
             tier.delete_many([k])
             stored.pop(k, None)

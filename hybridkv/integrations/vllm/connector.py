@@ -221,6 +221,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         results = KVConnectorTransferResults()
         if self._worker is None:
             return results
+        self._worker.finish_requests(finished_req_ids)
         report = self._worker.poll()
         self._report = self._report.merge(report)
         for rank_report in report.ranks:

@@ -278,6 +278,11 @@ class TieredStore(Tier):
         if self._first_memory is not None:
             self._guard(0, "release", None, self._first_memory.release_many, keys)
 
+    def touch_many(self, keys: Sequence[StoreKey]) -> None:
+        """Passed to every tier (those that evict by recency reorder, see ``Tier.touch_many``)."""
+        for index, tier in enumerate(self.tiers):
+            self._guard(index, "touch", None, tier.touch_many, keys)
+
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove from every tier (and from the write-back queue); returns keys found anywhere."""
         if self._write_back is not None:

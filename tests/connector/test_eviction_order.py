@@ -1,0 +1,81 @@
+"""``eviction_order``: a CPU tier too small for two prompts keeps the head of the first
+(``chain``), or loses it first (``lru``), on a real scheduler, worker and tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridkv.groups import GroupKind
+from hybridkv.tiers.cpu import CpuTier
+from tests.support.connector import (
+    assert_kv_matches_cold,
+    block_keys,
+    close_engine,
+    make_config,
+    make_engine,
+    prompt,
+    run_to_end,
+    wait_loaded,
+)
+from tests.support.sim import SimEngine, attention_page_bytes, make_groups
+
+FULL, SW = GroupKind.FULL, GroupKind.SLIDING_WINDOW
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40
+"""Blocks of each prompt; the tier holds 60 blocks of every group."""
+CHUNK = 32
+"""Tokens per step: a prompt is stored over five steps (chunked prefill)."""
+
+
+def _store(engine: SimEngine, req_id: str, tokens: list[int]) -> None:
+    assert engine.add(req_id, tokens) == 0
+    run_to_end(engine, req_id, CHUNK)
+    engine.settle()
+    assert engine.finish(req_id) is False
+
+
+@pytest.mark.parametrize("kinds", [(FULL,), (SW, FULL)], ids=["full", "sliding+full"])
+@pytest.mark.parametrize("order", ["chain", "lru"])
+def test_a_second_prompt_evicts_the_tail_of_the_first(
+    tmp_path: Path, kinds: tuple[GroupKind, ...], order: str
+) -> None:
+    model_groups = make_groups(kinds, block_size=BLOCK_SIZE)
+    block_bytes = 2 * attention_page_bytes(BLOCK_SIZE)  # two layers per group
+    capacity = 60 * len(kinds) * block_bytes
+    tier = {"kind": "cpu", "capacity_bytes": capacity, "pin_memory": False}
+    config = make_config(tmp_path, tiers=[tier], eviction_order=order)
+    engine = make_engine(model_groups, config)
+    a, b = prompt(NUM_BLOCKS * BLOCK_SIZE), prompt(NUM_BLOCKS * BLOCK_SIZE, seed=1)
+    _store(engine, "a", a)
+    _store(engine, "b", b)  # evicts about 20 blocks of every group of a
+    cpu = engine.worker.store.tiers[0]
+    assert isinstance(cpu, CpuTier)
+    full_id = kinds.index(FULL)
+    survived = cpu.contains_many(block_keys(model_groups, a, full_id, range(NUM_BLOCKS)))
+    num_kept = survived.count(True)
+    assert 0 < num_kept < NUM_BLOCKS
+    hit = engine.add("a again", a)
+    if order == "chain":  # its head, whole, in every group
+        assert survived == [True] * num_kept + [False] * (NUM_BLOCKS - num_kept)
+        assert hit == num_kept * BLOCK_SIZE
+        req = wait_loaded(engine, "a again")
+        assert req.outcomes[-1].ok
+        assert assert_kv_matches_cold(engine, req, hit) > 0
+    else:  # its tail, useless without the head
+        assert survived == [False] * (NUM_BLOCKS - num_kept) + [True] * num_kept
+        assert hit == 0
+    close_engine(engine)
+
+
+def test_finished_requests_are_forgotten_once_their_stores_end(tmp_path: Path) -> None:
+    engine = make_engine(make_groups((SW, FULL)), make_config(tmp_path))
+    tokens = prompt(NUM_BLOCKS * BLOCK_SIZE)
+    assert engine.add("a", tokens) == 0
+    engine.step({"a": len(tokens)})
+    assert engine.worker.chains is not None and len(engine.worker.chains) == 1
+    engine.finish("a")
+    engine.settle()
+    assert len(engine.worker.chains) == 0
+    close_engine(engine)
