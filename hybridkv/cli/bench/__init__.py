@@ -34,7 +34,7 @@ from hybridkv.cli.bench.report import (
 )
 from hybridkv.cli.bench.run import BenchContext, SetupRun, run_setup
 from hybridkv.cli.bench.setups import Setup, parse_setups
-from hybridkv.cli.bench.targets import Target, output_targets, targets
+from hybridkv.cli.bench.targets import Target, eviction_targets, output_targets, targets
 from hybridkv.cli.bench.workloads import PRESETS, WorkloadKind, build_workload
 from hybridkv.cli.tables import format_bytes, format_table
 from hybridkv.paths import default_cache_dir
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     summaries = _summaries(runs, exact=model.dtype == "float32")
     print(format_table(summary_rows(summaries)), flush=True)
-    found = [*targets(kind, summaries), *output_targets(summaries)]
+    found = [*targets(kind, summaries), *eviction_targets(summaries), *output_targets(summaries)]
     if found:
         rows = [["target", "measured", "limit", ""], *(t.row() for t in found)]
         print("\n" + format_table(rows), flush=True)

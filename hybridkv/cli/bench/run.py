@@ -93,7 +93,9 @@ def run_setup(setup: Setup, ctx: BenchContext) -> SetupRun:
             shutil.rmtree(ctx.work_dir / DISK_SUBDIR, ignore_errors=True)
     result = SetupRun(setup=setup.value)
     with pool_for(setup, ctx.work_dir / f"{setup.value}-pool") as pool:
-        transfer = transfer_config(setup, tiers_for(setup, disk_dir, pool), ctx.work_dir)
+        cpu_bytes = ctx.workload.params.cpu_tier_mib << 20
+        tiers = tiers_for(setup, disk_dir, pool, cpu_bytes)
+        transfer = transfer_config(setup, tiers, ctx.work_dir)
         runner = _SetupRunner(setup, ctx, transfer, result)
         kind = ctx.workload.kind
         if kind is WorkloadKind.RESTART:

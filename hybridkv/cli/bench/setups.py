@@ -27,6 +27,9 @@ class Setup(enum.Enum):
     """No tiers configured: hybridkv's embedded default, a CPU tier and a disk tier in
     ``<cache_dir>/kv``."""
     CPU = "cpu"
+    CPU_LRU = "cpu-lru"
+    """The CPU tier with plain recency (``eviction_order: lru``): what chain-aware
+    eviction, every other setup's, is measured against."""
     CPU_DISK = "cpu+disk"
     MOONCAKE = "mooncake"
     """CPU memory in front of a Mooncake pool."""
@@ -50,12 +53,14 @@ def parse_setups(text: str) -> list[Setup]:
     return setups
 
 
-def tiers_for(setup: Setup, disk_dir: Path, pool: LocalPool | None) -> list[dict[str, Any]]:
+def tiers_for(
+    setup: Setup, disk_dir: Path, pool: LocalPool | None, cpu_bytes: int | str = CPU_TIER_BYTES
+) -> list[dict[str, Any]]:
     """The ``tiers`` of ``setup`` (empty for the engine alone and the default)."""
-    cpu = {"kind": "cpu", "capacity_bytes": CPU_TIER_BYTES}
+    cpu = {"kind": "cpu", "capacity_bytes": cpu_bytes}
     if setup in (Setup.ALONE, Setup.DEFAULT):
         return []
-    if setup is Setup.CPU:
+    if setup in (Setup.CPU, Setup.CPU_LRU):
         return [cpu]
     if setup is Setup.CPU_DISK:
         return [cpu, {"kind": "disk", "path": str(disk_dir), "capacity_bytes": DISK_TIER_BYTES}]
@@ -71,6 +76,8 @@ def transfer_config(
     if setup is Setup.ALONE:
         return None
     extra: dict[str, Any] = {"tiers": list(tiers)} if tiers else {"cache_dir": str(cache_dir)}
+    if setup is Setup.CPU_LRU:
+        extra["eviction_order"] = "lru"
     return {
         "kv_connector": "HybridKVConnector",
         "kv_connector_module_path": "hybridkv.vllm",

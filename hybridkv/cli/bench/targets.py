@@ -131,6 +131,28 @@ def _repeat_hit_rate(summary: Summary) -> float:
     return _ratio(summary.cached_tokens_of_repeats, summary.reusable_tokens)
 
 
+CHAIN_OVER_LRU = 1.3
+"""Cached tokens of chain-aware eviction over plain recency's, where it matters."""
+
+
+def eviction_targets(summaries: Sequence[Summary]) -> list[Target]:
+    """Chain-aware eviction (``cpu``) against plain recency (``cpu-lru``), per phase."""
+    found = []
+    for chain in summaries:
+        lru = _find(summaries, "cpu-lru", chain.phase)
+        if chain.setup != "cpu" or lru is None:
+            continue
+        found.append(
+            Target(
+                name=f"cpu ({chain.phase}): cached tokens, chain eviction / lru's",
+                value=_ratio(chain.cached_tokens, lru.cached_tokens),
+                limit=CHAIN_OVER_LRU,
+                at_most=False,
+            )
+        )
+    return found
+
+
 def output_targets(summaries: Sequence[Summary]) -> list[Target]:
     """Zero outputs that differ from the engine alone's, per setup."""
     setups = dict.fromkeys(s.setup for s in summaries if s.outputs)

@@ -81,7 +81,7 @@ class WorkloadParams:
     max_num_batched_tokens: int = 512
     """Prefill chunk; small enough that a sliding-window group needs few blocks."""
     cpu_tier_mib: int = 4096
-    """route: each engine's CPU tier, MiB."""
+    """Each engine's CPU tier, MiB (every setup with one)."""
     pool_mib: int = 2048
     """route: the shared pool's memory (valkey-server ``maxmemory``), MiB."""
 
