@@ -13,7 +13,9 @@ it: the index may under-count a hit, never over-count one.
 Engine-neutral: events are taken as objects with vLLM's event fields (vLLM's
 ``EventFeed``, in ``integrations.vllm.event_feed``, receives and decodes them).
 Bounded: at most ``max_names`` block names are kept, least recently stored
-first out.
+first out, and at most as many blocks per source (a pool's server evicts
+without telling anyone, so its blocks could only grow; past the bound some
+block is forgotten: an under-count).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from hybridkv.connector.events import source_name
 from hybridkv.hits import Contains
 
 MAX_NAMES = 1 << 20
-"""Block names (parent, tokens -> hash) kept per engine; each costs a few hundred bytes."""
+"""Block names (parent, tokens -> hash) kept per engine, and blocks followed per source;
+each name costs a few hundred bytes."""
 DEVICE = "GPU"
 """The engine's own prefix cache, as vLLM's events name its medium."""
 
@@ -92,6 +95,8 @@ class EventIndex:
             parent = block
         while len(self._names) > self.max_names:
             self._names.popitem(last=False)
+        while len(held) > self.max_names:  # a pool's evictions are never published
+            held.pop()  # forgetting a block under-counts, as a lost name does
 
     def chain(
         self,

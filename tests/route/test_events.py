@@ -189,6 +189,7 @@ def test_the_oldest_names_go_first_and_the_hit_then_under_counts() -> None:
     index.apply(stored_events(tokens, 4, {0: list(range(10))}, medium="CPU"))
     # Blocks 0-5 lost their names: the chain cannot start.
     assert index.chain(tokens, 4) == []
+    assert index.sources() == {"CPU": 4}  # and the CPU tier is followed for 4 blocks only
     with pytest.raises(ValueError, match="max_names"):
         EventIndex(max_names=0)
 
