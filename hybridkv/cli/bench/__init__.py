@@ -82,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
     kind = WorkloadKind(args.workload)
     params = PRESETS[kind].replace(overrides)
     setups = parse_setups(args.setups or DEFAULT_SETUPS[kind])
-    work_dir = (args.work_dir or default_cache_dir() / "bench").expanduser().resolve()
-    work_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = work_dir_of(args)
     model = build_model(args.model, work_dir / "models", say)
     workload = build_workload(kind, params, model.vocab_size)
     engine_kwargs = engine_kwargs_for(model, workload)
@@ -137,6 +136,13 @@ def run(args: argparse.Namespace) -> int:
 
 def say(text: str) -> None:
     print(f"[bench] {text}", flush=True)
+
+
+def work_dir_of(args: argparse.Namespace) -> Path:
+    """``--work-dir`` (default ``<hybridkv cache dir>/bench``), made if missing."""
+    work_dir: Path = (args.work_dir or default_cache_dir() / "bench").expanduser().resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return work_dir
 
 
 def _split_param(text: str) -> tuple[str, str]:

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridkv.cli.bench import counters, say
+from hybridkv.cli.bench import counters, say, work_dir_of
 from hybridkv.cli.bench.models import build_model, engine_kwargs_for
 from hybridkv.cli.bench.offline import EngineFailed, EngineLaunch, OfflineEngine
 from hybridkv.cli.bench.progress import Bars
@@ -31,7 +31,6 @@ from hybridkv.cli.bench.run import BenchContext, replay_across, run_setup
 from hybridkv.cli.bench.setups import CPU_TIER_BYTES, POOL_BYTES, Setup, transfer_config
 from hybridkv.cli.bench.workloads import PRESETS, WorkloadKind, build_workload
 from hybridkv.cli.tables import format_bytes, format_table
-from hybridkv.paths import default_cache_dir
 from hybridkv.tools.netns import Network, unavailable_reason
 from hybridkv.tools.pool import LocalPool
 from hybridkv.tools.pool_probe import time_reads
@@ -48,8 +47,7 @@ def run_hosts(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         print(f"[bench] FAILED: hosts needs network namespaces: {reason}", file=sys.stderr)
         return 2
     params = PRESETS[WorkloadKind.SHARED].replace(overrides)
-    work_dir = (args.work_dir or default_cache_dir() / "bench").expanduser().resolve()
-    work_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = work_dir_of(args)
     model = build_model(args.model, work_dir / "models", say)
     workload = build_workload(WorkloadKind.SHARED, params, model.vocab_size)
     ctx = BenchContext(

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli.bench import say
+from hybridkv.cli.bench import say, work_dir_of
 from hybridkv.cli.bench.models import build_model, engine_kwargs_for
 from hybridkv.cli.bench.offline import EngineFailed, EngineLaunch, OfflineEngine
 from hybridkv.cli.bench.progress import Bars
@@ -38,11 +38,16 @@ from hybridkv.cli.bench.replay import ClientRun, Record
 from hybridkv.cli.bench.report import compare_outputs, mark_reusable, percentile
 from hybridkv.cli.bench.setups import Setup, transfer_config
 from hybridkv.cli.bench.targets import Target
-from hybridkv.cli.bench.workloads import PRESETS, Client, Request, Workload, WorkloadKind
-from hybridkv.cli.bench.workloads import build_workload as build
+from hybridkv.cli.bench.workloads import (
+    PRESETS,
+    Client,
+    Request,
+    Workload,
+    WorkloadKind,
+    build_workload,
+)
 from hybridkv.cli.tables import format_table
 from hybridkv.integrations.vllm.event_feed import EventFeed
-from hybridkv.paths import default_cache_dir
 from hybridkv.route.engines import Engines
 from hybridkv.route.events import EventIndex
 from hybridkv.route.lookup import EngineHits, HitQuery
@@ -72,10 +77,9 @@ def run_route(args: argparse.Namespace, overrides: dict[str, str]) -> int:
               "engines: drop --engine, --setups and --plot", file=sys.stderr)  # fmt: skip
         return 2
     params = PRESETS[WorkloadKind.ROUTE].replace(overrides)
-    work_dir = (args.work_dir or default_cache_dir() / "bench").expanduser().resolve()
-    work_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = work_dir_of(args)
     model = build_model(args.model, work_dir / "models", say)
-    workload = build(WorkloadKind.ROUTE, params, model.vocab_size)
+    workload = build_workload(WorkloadKind.ROUTE, params, model.vocab_size)
     kwargs = engine_kwargs_for(model, workload)
     say(
         f"route: {params.clients} conversations x {params.rounds} rounds and "
@@ -124,7 +128,7 @@ def _run_alone(
     (engine,) = _start([launch], progress, "alone")
     try:
         run = PolicyRun("alone", alignment_tokens=_alignment(engine))
-        _replay(workload, [engine], lambda prompt, served: 0, run, progress)
+        _replay(workload, [engine], lambda prompt, served: (0, -1), run, progress)
         return run
     finally:
         engine.close()
@@ -175,13 +179,14 @@ def _run_policy(
         pool.stop()
 
 
-Choose = Callable[[Sequence[int], Sequence[int]], "int | tuple[int, int]"]
-"""``choose(prompt, served_per_engine)``: the engine, or (engine, predicted tokens)."""
+Choose = Callable[[Sequence[int], Sequence[int]], tuple[int, int]]
+"""``choose(prompt, served_per_engine)``: the engine and the usable tokens the router
+predicts there (-1: the policy asks no lookup)."""
 
 
 def _round_robin() -> Choose:
     turn = iter(range(1 << 62))
-    return lambda prompt, served: next(turn) % NUM_ENGINES
+    return lambda prompt, served: (next(turn) % NUM_ENGINES, -1)
 
 
 def _by_hits(router: Engines, feeds: Sequence[EventFeed]) -> Choose:
@@ -209,9 +214,7 @@ def _replay(
     for c in workload.schedule:
         client = clients[c]
         index, request, prompt = client.next_request()
-        chosen = choose(prompt, run.per_engine)
-        e, predicted = chosen if isinstance(chosen, tuple) else (chosen, -1)
-        e = min(e, len(engines) - 1)
+        e, predicted = choose(prompt, run.per_engine)
         single = Request(prefix=tuple(prompt), question=(), max_tokens=request.max_tokens)
         (record,) = engines[e].replay([(c, Client(requests=(single,)))], PHASE, on_done)
         record.index, record.engine, record.setup = index, e, run.policy
