@@ -218,6 +218,8 @@ class EngineLookup:
         self.card = card
         self.events = events
         """The engine's KV events, if followed: its private tiers and prefix cache."""
+        self._sources = tuple(event_source(config).name for config in card.tiers)
+        """Each tier as the engine's events name it."""
         lookup, self._owned = build_lookup(
             card.connector_config(), engine_facts(card), opened=opened
         )
@@ -292,11 +294,10 @@ class EngineLookup:
     ) -> EngineHits:
         max_hit_tokens = num_tokens - 1  # the engine computes at least the last token
         via_events = [not seen and blocks is not None for seen in self.visible]
-        sources = [event_source(config).name for config in self.card.tiers]
         visible = [i for i, seen in enumerate(self.visible) if seen or via_events[i]]
 
         def elsewhere(tiers: Sequence[int]) -> Contains | None:
-            private = [sources[i] for i in tiers if via_events[i]]
+            private = [self._sources[i] for i in tiers if via_events[i]]
             return None if blocks is None or not private else blocks.contains(private)
 
         per_tier: dict[int, Hit] = {}  # a tier not seen here holds nothing
