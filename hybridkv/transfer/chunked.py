@@ -3,8 +3,8 @@
 Worker process; the path ``BlockCopier`` takes for caches on CUDA (it also
 runs on CPU tensors, which is how its logic is tested without a GPU). A call
 moves the blocks of one group between the cache and rows of host memory (the
-CPU tier's own memory, or staging): per piece of at most ``chunk_bytes``,
-indexed ops gather each span of the blocks into the chunk, laid out exactly
+CPU tier's own memory, or staging): per piece of at most half the chunk,
+indexed ops gather each span of the blocks into that half, laid out exactly
 as the piece of host rows it fills, and one contiguous copy moves the piece;
 a load runs the same steps backwards. So device memory taken is the chunk
 (allocated once), whatever the size of a job, and a run of adjacent host rows
@@ -15,15 +15,23 @@ Rows are adjacent when each starts ``block_bytes`` after the previous one,
 or, when the caller says the bytes between rows are scratch (header room in
 staging that the tier writes after the copy), a fixed ``pitch`` after it.
 
-On CUDA every op of a call is enqueued on the copier's own stream and the
-call returns at once; the caller orders the stream after the compute that
-wrote the blocks and learns completion from an event (``BlockCopier``). One
-lock keeps the ops of two calls from interleaving on the shared chunk.
+On CUDA every op of a call is enqueued and the call returns at once: the
+block ids go up in one asynchronous copy from pinned memory (a copy from
+pageable memory would wait for the stream to drain, so the host could never
+run ahead of the link), and the two halves of the chunk take turns, each on
+a stream of its own (the caller's current one, the copier's stream, and a
+side stream joined back into it before the call returns), so one half's
+indexed ops run while the other half crosses the link. The caller orders
+its stream after the compute that wrote the blocks and learns completion
+from an event (``BlockCopier``). One lock keeps the ops of two calls from
+interleaving on the shared chunk.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -34,6 +42,8 @@ from hybridkv.layout import CanonicalKVCaches
 
 DEVICE_CHUNK_BYTES = 32 << 20
 """Default size of the one device buffer a copier allocates."""
+HALF_ALIGN_BYTES = 512
+"""Each half of the chunk starts this aligned (wide integer views need it)."""
 MAX_SCRATCH_GAP_BYTES = 4096
 """Scratch between rows that a piece may copy over (staging's header room)."""
 
@@ -102,8 +112,11 @@ class _Span(NamedTuple):
     """(num_blocks, num_bytes) uint8 view of the span's bytes in the cache."""
     object_offset: int
     num_bytes: int
-    address_bits: int
-    """The cache-side values a wider view must divide (address, row stride)."""
+    bits: int
+    """What a wider view must divide on the cache side and in the object (address,
+    row stride, offset, length); the chunk rows' pitch comes on top per call."""
+    wide: dict[torch.dtype, torch.Tensor]
+    """``raw`` viewed as each integer type ``bits`` allows (made once, not per call)."""
 
 
 class ChunkedCopies:
@@ -111,14 +124,23 @@ class ChunkedCopies:
 
     def __init__(self, caches: CanonicalKVCaches, chunk_bytes: int = DEVICE_CHUNK_BYTES) -> None:
         largest = max(group.block_bytes for group in caches.model_groups.groups)
-        self.chunk_bytes = max(chunk_bytes, largest)
-        """Device bytes this copier holds: ``chunk_bytes``, or the largest block if larger."""
+        half = max(chunk_bytes // 2, largest)
+        self.half_bytes = -(-half // HALF_ALIGN_BYTES) * HALF_ALIGN_BYTES
+        """The most one piece moves: half the chunk, or the largest block if larger
+        (aligned up, so the second half starts as aligned as the first)."""
+        self.chunk_bytes = 2 * self.half_bytes
+        """Device bytes this copier holds: ``chunk_bytes`` (even), or two of the largest
+        block if that is larger."""
         self.caches = caches
         self.device = caches.device
         groups = range(caches.model_groups.num_groups)
         self._spans = [self._group_spans(g) for g in groups]
         self._span_order = [caches.spans_may_share_bytes(g) for g in groups]
-        self._chunk = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
+        chunk = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
+        self._halves = (chunk[: self.half_bytes], chunk[self.half_bytes :])
+        self._side: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            self._side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self._lock = threading.Lock()
 
     def gather(
@@ -132,17 +154,19 @@ class ChunkedCopies:
     ) -> int:
         """Copy block ``ids[i]`` to ``memory[offsets[i]:]``; returns the pieces moved."""
         block_bytes = self.caches.model_groups.groups[group_id].block_bytes
-        pieces = plan_pieces(offsets, block_bytes, self.chunk_bytes, scratch_gaps=scratch_gaps)
-        with self._lock:
-            for piece in pieces:
-                rows = self._chunk_rows(piece, block_bytes)
-                index = self._index(ids[piece.start : piece.stop])
-                for span in self._spans[group_id]:
-                    src, dst = self._views(span, rows, piece.pitch)
-                    torch.index_select(src, 0, index, out=dst)
-                nbytes = piece.num_bytes(block_bytes)
-                first = int(offsets[piece.start])
-                memory[first : first + nbytes].copy_(self._chunk[:nbytes], non_blocking=True)
+        pieces = plan_pieces(offsets, block_bytes, self.half_bytes, scratch_gaps=scratch_gaps)
+        with self._lock, _Turns(self._side, self._halves) as turns:
+            index = turns.upload(ids)
+            for k, piece in enumerate(pieces):
+                with turns.take(k) as half:
+                    rows = self._chunk_rows(half, piece, block_bytes)
+                    part = index[piece.start : piece.stop]
+                    for span in self._spans[group_id]:
+                        src, dst = self._views(span, rows, piece.pitch)
+                        torch.index_select(src, 0, part, out=dst)
+                    nbytes = piece.num_bytes(block_bytes)
+                    first = int(offsets[piece.start])
+                    memory[first : first + nbytes].copy_(half[:nbytes], non_blocking=True)
         return len(pieces)
 
     def scatter(
@@ -158,39 +182,41 @@ class ChunkedCopies:
 
         Spans that may share bytes (aliased layers) are written span by span over
         all pieces, the order writes through the per-layer views take, so the last
-        layer written wins as it would there; each piece is then read in once a span."""
+        layer written wins as it would there; each piece is then read in once a span,
+        and a round starts only after the one before it is done on both streams."""
         block_bytes = self.caches.model_groups.groups[group_id].block_bytes
-        pieces = plan_pieces(offsets, block_bytes, self.chunk_bytes, scratch_gaps=scratch_gaps)
+        pieces = plan_pieces(offsets, block_bytes, self.half_bytes, scratch_gaps=scratch_gaps)
         spans = self._spans[group_id]
         rounds = [[span] for span in spans] if self._span_order[group_id] else [spans]
-        with self._lock:
+        with self._lock, _Turns(self._side, self._halves) as turns:
+            index = turns.upload(ids)
             for round_spans in rounds:
-                for piece in pieces:
-                    nbytes = piece.num_bytes(block_bytes)
-                    first = int(offsets[piece.start])
-                    self._chunk[:nbytes].copy_(memory[first : first + nbytes], non_blocking=True)
-                    rows = self._chunk_rows(piece, block_bytes)
-                    index = self._index(ids[piece.start : piece.stop])
-                    for span in round_spans:
-                        dst, src = self._views(span, rows, piece.pitch)
-                        dst.index_copy_(0, index, src)
+                turns.join()
+                for k, piece in enumerate(pieces):
+                    with turns.take(k) as half:
+                        nbytes = piece.num_bytes(block_bytes)
+                        first = int(offsets[piece.start])
+                        half[:nbytes].copy_(memory[first : first + nbytes], non_blocking=True)
+                        rows = self._chunk_rows(half, piece, block_bytes)
+                        part = index[piece.start : piece.stop]
+                        for span in round_spans:
+                            dst, src = self._views(span, rows, piece.pitch)
+                            dst.index_copy_(0, part, src)
         return len(pieces)
 
-    def _chunk_rows(self, piece: Piece, block_bytes: int) -> torch.Tensor:
-        """(rows, block_bytes) view of the chunk, ``piece.pitch`` bytes apart."""
+    @staticmethod
+    def _chunk_rows(half: torch.Tensor, piece: Piece, block_bytes: int) -> torch.Tensor:
+        """(rows, block_bytes) view of a half of the chunk, ``piece.pitch`` bytes apart."""
         num_rows = piece.stop - piece.start
-        flat = self._chunk[: num_rows * piece.pitch] if num_rows > 1 else self._chunk[:block_bytes]
+        flat = half[: num_rows * piece.pitch] if num_rows > 1 else half[:block_bytes]
         return flat.as_strided((num_rows, block_bytes), (piece.pitch, 1))
-
-    def _index(self, ids: npt.NDArray[np.int64]) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(ids)).to(self.device, non_blocking=True)
 
     @staticmethod
     def _views(span: _Span, rows: torch.Tensor, pitch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The span in the cache and in the chunk rows, as the widest integers both allow."""
         part = rows[:, span.object_offset : span.object_offset + span.num_bytes]
-        _, dtype = _width(span.address_bits, pitch, span.object_offset, span.num_bytes)
-        return span.raw.view(dtype), part.view(dtype)
+        _, dtype = _width(span.bits, pitch)
+        return span.wide[dtype], part.view(dtype)
 
     def _group_spans(self, group_id: int) -> list[_Span]:
         spans = []
@@ -200,5 +226,64 @@ class ChunkedCopies:
                 torch.uint8
             )
             bits = raw.data_ptr() | (tensor.stride(0) if tensor.shape[0] > 1 else 0)
-            spans.append(_Span(raw, span.object_offset_bytes, span.num_bytes, bits))
+            bits |= span.object_offset_bytes | span.num_bytes
+            wide = {dtype: raw.view(dtype) for width, dtype in _WIDTHS if bits % width == 0}
+            spans.append(_Span(raw, span.object_offset_bytes, span.num_bytes, bits, wide))
         return spans
+
+
+class _Turns:
+    """The two halves of the chunk taking turns within one call, each on its own stream.
+
+    Entered on the caller's current stream (``main``; the copier's stream on
+    CUDA). The side stream first waits for everything ``main`` has queued (the
+    compute the call is ordered after, the block ids' upload); on leaving,
+    ``main`` waits for everything the side stream queued, so a mark recorded
+    on ``main`` afterwards covers the whole call. Half 0 is only ever used on
+    ``main`` and half 1 only on the side stream, so a half is reused only after
+    its stream finished with it. Without a device stream (CPU tensors) the same
+    steps run in order."""
+
+    def __init__(
+        self, side: torch.cuda.Stream | None, halves: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        self.side = side
+        self.halves = halves
+        self.main: torch.cuda.Stream | None = None
+        self.device = halves[0].device
+
+    def __enter__(self) -> _Turns:
+        if self.side is not None:
+            self.main = torch.cuda.current_stream(self.device)
+        return self
+
+    def upload(self, ids: npt.NDArray[np.int64]) -> torch.Tensor:
+        """The block ids on the device, from pinned memory without a wait (the host
+        allocator keeps that memory until the copy is done)."""
+        host = torch.from_numpy(np.ascontiguousarray(ids))
+        if self.side is None:
+            return host.to(self.device)
+        index = host.pin_memory().to(self.device, non_blocking=True)
+        index.record_stream(self.side)  # freed only after the side stream's use, too
+        self.join()
+        return index
+
+    def join(self) -> None:
+        """Order each stream after all the other queued so far."""
+        if self.side is not None and self.main is not None:
+            self.side.wait_stream(self.main)
+            self.main.wait_stream(self.side)
+
+    @contextmanager
+    def take(self, turn: int) -> Iterator[torch.Tensor]:
+        """Enqueue piece ``turn`` on its half's stream; yields that half."""
+        half = self.halves[turn % 2]
+        if self.side is None or turn % 2 == 0:
+            yield half
+        else:
+            with torch.cuda.stream(self.side):
+                yield half
+
+    def __exit__(self, *exc: object) -> None:
+        if self.side is not None and self.main is not None:
+            self.main.wait_stream(self.side)

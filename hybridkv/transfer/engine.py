@@ -32,7 +32,7 @@ from collections.abc import Collection, Sequence
 from hybridkv.layout import CanonicalKVCaches
 from hybridkv.tiers.base import GetStatus, PutStatus, Tier
 from hybridkv.transfer.copier import BlockCopier
-from hybridkv.transfer.in_place import Borrowed, InPlaceCopies
+from hybridkv.transfer.in_place import Borrowed, InPlaceCopies, StartedStore
 from hybridkv.transfer.jobs import (
     Job,
     JobId,
@@ -237,9 +237,10 @@ class TransferEngine:
         num_groups = self.caches.model_groups.num_groups
         parts = check_parts(parts, num_groups, self.copier.check_block_ids, num_tiers=num_tiers)
         in_place = self.in_place is not None and kind is JobKind.STORE
-        offsets, total = self.placement.plan(parts)
-        if in_place:
-            total = 0  # no staging: the blocks go into the tier's memory
+        if in_place:  # no staging: the blocks go into the tier's memory, whatever their size
+            offsets, total = (0,) * len(parts), 0
+        else:
+            offsets, total = self.placement.plan(parts)
         if timeout_s is None:
             is_load = kind is JobKind.LOAD
             timeout_s = self.config.load_timeout_s if is_load else self.config.store_timeout_s
@@ -293,31 +294,62 @@ class TransferEngine:
     # ---- the copy thread (asynchronous stores) ----------------------------------------
 
     def _copy_stores(self) -> None:
+        """Take every store queued for copies at once: enqueue all their copies, then
+        finish them in order. So the link moves one store while the next is reserved
+        and enqueued, instead of idling between stores."""
         while True:
-            job_id = self._copies.get()
-            if job_id is None:
-                return
-            with self._ledger.lock:
-                job = self._ledger.jobs.get(job_id)
-                if job is None or job.state is not JobState.QUEUED:
-                    continue  # abandoned before its copies started: they never run
-                job.state = JobState.COPYING
-            try:
-                statuses = self.moves.copy_out(job)
-                error = None
-            except Exception as exc:  # a bug: never leave a job unreported
-                logger.exception("store job %d: copy failed", job.job_id)
-                job.enqueued.set()
-                statuses, error = None, f"copy raised {type(exc).__name__}: {exc}"
-            with self._ledger.lock:
-                if error is not None:
-                    self._ledger.report(job, [], JobOutcome.ERROR, error)
-                elif statuses is not None:
-                    self._ledger.report(job, statuses, JobOutcome.OK, None)
+            batch = [self._copies.get()]
+            while not self._copies.empty():
+                batch.append(self._copies.get_nowait())
+            started: list[tuple[Job, StartedStore]] = []
+            for job_id in batch:
+                if job_id is None:
+                    continue
+                job = self._claim_copies(job_id)
+                if job is None:
+                    continue
+                try:
+                    begun = self.moves.start_copy_out(job)
+                except Exception as exc:  # a bug: never leave a job unreported
+                    self._copied(job, None, exc)
+                    continue
+                if isinstance(begun, StartedStore):
+                    started.append((job, begun))
                 else:
-                    job.state = JobState.QUEUED
-                    self._queue_for_tier(job)
-                self._ledger.changed.notify_all()
+                    self._copied(job, begun, None)
+            for job, begun in started:
+                try:
+                    self._copied(job, self.moves.end_copy_out(job, begun), None)
+                except Exception as exc:
+                    self._copied(job, None, exc)
+            if None in batch:
+                return
+
+    def _claim_copies(self, job_id: JobId) -> Job | None:
+        with self._ledger.lock:
+            job = self._ledger.jobs.get(job_id)
+            if job is None or job.state is not JobState.QUEUED:
+                return None  # abandoned before its copies started: they never run
+            job.state = JobState.COPYING
+            return job
+
+    def _copied(self, job: Job, statuses: list[PutStatus] | None, exc: Exception | None) -> None:
+        """Report a store whose copies are done (``statuses``: stored in the tier's
+        memory; None: staged, for the tier call), or that failed with ``exc``."""
+        if exc is not None:
+            logger.error("store job %d: copy failed", job.job_id, exc_info=exc)
+            job.enqueued.set()
+        with self._ledger.lock:
+            if exc is not None:
+                self._ledger.report(
+                    job, [], JobOutcome.ERROR, f"copy raised {type(exc).__name__}: {exc}"
+                )
+            elif statuses is not None:
+                self._ledger.report(job, statuses, JobOutcome.OK, None)
+            else:
+                job.state = JobState.QUEUED
+                self._queue_for_tier(job)
+            self._ledger.changed.notify_all()
 
     # ---- worker side --------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +36,20 @@ Put = Callable[[list[StoreKey], list[Buffer]], list[PutStatus]]
 """The tier's ``put_many``: where blocks the tier's memory has no room for go."""
 
 
+class StartedStore(NamedTuple):
+    """A store whose copies are enqueued and not yet committed (``start_store``)."""
+
+    keys: list[StoreKey]
+    reserved: list[int | PutStatus]
+    """Per key: its offset in the tier's memory, or why it has none."""
+    held: list[StoreKey]
+    """The keys reserved, to commit once the copies are done."""
+    spilled: list[int]
+    """Indexes of the keys the memory had no room for."""
+    buffers: list[Buffer]
+    """Their copies, in ``spilled`` order (filled once the copies are done)."""
+
+
 class InPlaceCopies:
     def __init__(self, memory: TierMemory, copier: BlockCopier, put: Put) -> None:
         self.memory = memory
@@ -42,8 +57,14 @@ class InPlaceCopies:
         self.put = put
 
     def store(self, job: Job) -> list[PutStatus]:
-        """Reserve, gather, commit; a status per key. Marks the job enqueued once its
-        copies are (``job.copies_mark``), then waits for them before committing."""
+        """Reserve, gather, commit; a status per key (``start_store`` then ``end_store``)."""
+        started = self.start_store(job)
+        return started if isinstance(started, list) else self.end_store(job, started)
+
+    def start_store(self, job: Job) -> StartedStore | list[PutStatus]:
+        """Reserve room and enqueue the copies into it; marks the job enqueued
+        (``job.copies_mark``) and returns without waiting for them, or returns every
+        key's status when reserving failed (nothing is copied then)."""
         keys = job_keys(job)
         try:
             reserved = self.memory.reserve_many(keys, self._sizes(job))
@@ -61,20 +82,28 @@ class InPlaceCopies:
             buffers = self._gather_spilled(job, spilled)
             job.copies_mark = self.copier.copies_mark()
             job.enqueued.set()
-            self.copier.wait_done(job.copies_mark)
-            job.copies_mark = None
         except BaseException:
             self.copier.wait_done(self.copier.copies_mark())  # none may land in freed room
             job.enqueued.set()
             self.memory.commit_many(held, [False] * len(held))
             raise
+        return StartedStore(keys, reserved, held, spilled, buffers)
+
+    def end_store(self, job: Job, started: StartedStore) -> list[PutStatus]:
+        """Wait for the store's copies, commit what they wrote and hand the spilled
+        blocks to the tier's ``put_many``; a status per key."""
+        self.copier.wait_done(job.copies_mark)
+        job.copies_mark = None
+        keys, reserved, held = started.keys, started.reserved, started.held
         statuses = [PutStatus.OK if isinstance(r, int) else r for r in reserved]
         try:
             self.memory.commit_many(held, [True] * len(held))
         except Exception as exc:
             logger.warning("store job %d: committing in the tier failed: %r", job.job_id, exc)
             statuses = [PutStatus.ERROR if isinstance(r, int) else r for r in reserved]
-        for j, status in zip(spilled, self._put_spilled(job, keys, spilled, buffers), strict=True):
+        spilled = started.spilled
+        put = self._put_spilled(job, keys, spilled, started.buffers)
+        for j, status in zip(spilled, put, strict=True):
             statuses[j] = status
         return statuses
 

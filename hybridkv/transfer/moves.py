@@ -19,7 +19,13 @@ from collections.abc import Sequence
 
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier
 from hybridkv.transfer.copier import BlockCopier
-from hybridkv.transfer.in_place import Borrowed, InPlaceCopies, job_tier_indexes, merge_statuses
+from hybridkv.transfer.in_place import (
+    Borrowed,
+    InPlaceCopies,
+    StartedStore,
+    job_tier_indexes,
+    merge_statuses,
+)
 from hybridkv.transfer.jobs import Job, JobKind
 from hybridkv.transfer.placement import StagingPlacement
 
@@ -47,10 +53,22 @@ class JobMoves:
     def copy_out(self, job: Job) -> list[PutStatus] | None:
         """A store's copies: into the tier's memory (statuses: the store is done), or
         into staging (None: the tier call follows)."""
+        started = self.start_copy_out(job)
+        return started if not isinstance(started, StartedStore) else self.end_copy_out(job, started)
+
+    def start_copy_out(self, job: Job) -> StartedStore | list[PutStatus] | None:
+        """Begin a store's copies. Into the tier's memory they are only enqueued
+        (``end_copy_out`` finishes them), unless reserving failed (the statuses);
+        into staging they are done on return (None: the tier call follows)."""
         if self.in_place is not None and job.in_place:
-            return self.in_place.store(job)
+            return self.in_place.start_store(job)
         self.placement.gather(job)  # marks the job enqueued
         return None
+
+    def end_copy_out(self, job: Job, started: StartedStore) -> list[PutStatus]:
+        """Finish an in-place store begun by ``start_copy_out``: its statuses."""
+        assert self.in_place is not None
+        return self.in_place.end_store(job, started)
 
     def call_tier(self, job: Job) -> tuple[list[GetStatus] | list[PutStatus], str | None, Borrowed]:
         """The tier's answers (empty, with the error, when it raised), and for a load the

@@ -16,7 +16,13 @@ from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.layout import KVLayoutKind
 from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import BlockCopier
-from hybridkv.transfer.chunked import MAX_SCRATCH_GAP_BYTES, ChunkedCopies, Piece, plan_pieces
+from hybridkv.transfer.chunked import (
+    HALF_ALIGN_BYTES,
+    MAX_SCRATCH_GAP_BYTES,
+    ChunkedCopies,
+    Piece,
+    plan_pieces,
+)
 from hybridkv.transfer.copier import HostRows
 
 BLOCK = 192
@@ -147,15 +153,20 @@ def test_rows_with_scratch_between_them_move_as_one_piece() -> None:
 
 def test_device_memory_is_one_chunk_whatever_the_job() -> None:
     spec = model_groups()
-    alloc = allocate_kv_caches(spec, 512, kind=KVLayoutKind.LAYER_MAJOR)
-    chunks = ChunkedCopies(alloc.canonical, chunk_bytes=8 * spec.groups[0].block_bytes)
-    assert chunks.chunk_bytes == 8 * spec.groups[0].block_bytes
     block_bytes = spec.groups[0].block_bytes
+    alloc = allocate_kv_caches(spec, 512, kind=KVLayoutKind.LAYER_MAJOR)
+    chunks = ChunkedCopies(alloc.canonical, chunk_bytes=8 * 512)
+    assert chunks.chunk_bytes == 8 * 512 and chunks.half_bytes == 4 * 512
+    per_piece = chunks.half_bytes // block_bytes
     for n in (1, 50, 500):
         ids = np.arange(1, n + 1, dtype=np.int64)[::-1].copy()
         memory = torch.empty(n * block_bytes, dtype=torch.uint8)
         pieces = chunks.gather(0, ids, memory, np.arange(n, dtype=np.int64) * block_bytes)
-        assert pieces == -(-n // 8), "consecutive rows move a chunk at a time"
-    assert chunks.chunk_bytes == 8 * block_bytes
+        assert pieces == -(-n // per_piece), "consecutive rows move half a chunk at a time"
+    assert chunks.chunk_bytes == 8 * 512
     huge = ChunkedCopies(alloc.canonical, chunk_bytes=1)
-    assert huge.chunk_bytes == max(g.block_bytes for g in spec.groups), "at least one block"
+    largest = max(g.block_bytes for g in spec.groups)
+    assert huge.half_bytes >= largest and huge.half_bytes % HALF_ALIGN_BYTES == 0
+    assert huge.chunk_bytes == 2 * huge.half_bytes < 2 * (largest + HALF_ALIGN_BYTES), (
+        "each half holds one block, aligned up"
+    )
