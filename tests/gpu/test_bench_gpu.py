@@ -27,7 +27,8 @@ def test_the_gpu_benchmark_runs_on_cpu_tensors_with_exact_bytes(tmp_path: Path) 
     report = json.loads(out.read_text())
     assert len(report["copy"]) == 8 and all(row["bytes_equal"] for row in report["copy"])
     assert all(row["copier_device_MiB"] == 32 for row in report["copy"])
-    assert [row["tiers"] for row in report["jobs"]] == ["cpu", "cpu+disk"]
+    setups = ["cpu", "cpu+disk", "cpu, 2 workers", "cpu, 64 MiB chunk"]
+    assert [row["tiers"] for row in report["jobs"]] == setups
     assert all(row["bytes_equal"] for row in report["jobs"])
     engine = report["engine"]
     assert engine["hybridkv"]["hit_tokens"] > 0 and engine["alone"]["hit_tokens"] == 0
