@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.scheduler import ConnectorScheduler
-from hybridkv.connector.setup import lookup_for_store
+from hybridkv.connector.setup import lookup_for_store, lower_switch_interval
 from hybridkv.connector.steps import ScheduledRequest, StepInput
 from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.groups import ModelGroups
@@ -79,6 +80,9 @@ class StepEngine:
         self.worker: ConnectorWorker | None = None
         self.scheduler: ConnectorScheduler | None = None
         if store is not None:
+            # As ``build_worker`` does in vLLM's worker: the copy thread then waits at most
+            # this long for the interpreter while the loop launches the forward pass.
+            lower_switch_interval(ConnectorConfig.thread_switch_interval_s)
             self.worker = ConnectorWorker(model_groups, store, transfer_config=transfer)
             self.worker.register_kv_caches(caches.kv_caches)
             self.scheduler = ConnectorScheduler(model_groups, lookup_for_store(store))
