@@ -88,6 +88,20 @@ class TierStats:
         "Tokens of whole-request hits served", name="tier_hit_tokens", labels=_TIER
     )
     """Tokens of hits served by this tier, as reported by the connector."""
+    admitted: int = counter(
+        "Blocks sent on to this slower tier from the first (admission)",
+        name="tier_admitted_blocks",
+        labels=_TIER,
+    )
+    """Set by the tiered store: blocks it queued or wrote to this tier, which is not its
+    first (with ``Admission.ALL`` every stored block)."""
+    rejected: int = counter(
+        "Blocks the first tier stored and this slower tier did not receive (admission)",
+        name="tier_rejected_blocks",
+        labels=_TIER,
+    )
+    """Set by the tiered store: blocks stored in its first tier and held back from this
+    one (``Admission.REUSED``); one admitted later counts here and in ``admitted``."""
     pending_loads: int = gauge(
         "Keys being read from the tier when the metrics were taken",
         name="tier_pending_loads",

@@ -65,7 +65,7 @@ class StoreMemory(TierMemory):
             extents = [self._extents.pop(key) for key in keys]
         stored = [j for j, was_written in enumerate(written) if was_written]
         if stored:
-            array = self._view_of_memory()
+            array = self.array()
             views = [array[extents[j][0] : extents[j][0] + extents[j][1]] for j in stored]
             self._stored([keys[j] for j in stored], views)
 
@@ -75,7 +75,8 @@ class StoreMemory(TierMemory):
     def release_many(self, keys: Sequence[StoreKey]) -> None:
         self._first.release_many(keys)
 
-    def _view_of_memory(self) -> Buffer:
+    def array(self) -> Buffer:
+        """The first tier's memory as one uint8 array (views of objects are slices)."""
         if self._array is None:
             self._array = cast(Buffer, self._first.memory.numpy())
         return self._array

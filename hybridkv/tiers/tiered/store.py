@@ -7,8 +7,10 @@ when both share a process. Reads go to the cheapest tier holding each block
 tier synchronously and reach the others through the write-back queue; a
 transfer may also store into the first tier's memory in place (``memory()``,
 ``tiers.tiered.in_place``), and what it commits is sent on the same way,
-borrowed rather than copied. A tier that raises never breaks the store: the
-error is logged once, counted, and answered as a miss.
+borrowed rather than copied. With ``Admission.REUSED`` stores stop at the first
+tier, and ``admit_many`` sends on the blocks someone judged worth keeping
+(``tiers.admission``). A tier that raises never breaks the store: the error is
+logged once, counted, and answered as a miss.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import numpy as np
+
+from hybridkv.tiers.admission import Admission
 from hybridkv.tiers.base import (
     Buffer,
     GetStatus,
@@ -55,7 +60,8 @@ class TieredStore(Tier):
     ``tiers[0]`` takes stores synchronously (normally the CPU tier); with
     ``write_back`` the others receive them asynchronously, without it
     synchronously. With ``promote``, a block read from another tier is copied
-    into the first tier that ``accepts_promotions`` (best effort).
+    into the first tier that ``accepts_promotions`` (best effort). With
+    ``Admission.REUSED`` the others receive only what ``admit_many`` names.
     """
 
     def __init__(
@@ -66,6 +72,7 @@ class TieredStore(Tier):
         promote: bool = True,
         write_back: bool = True,
         write_back_bytes: int = 64 << 20,
+        admission: Admission = Admission.ALL,
         name: str = "tiered",
     ) -> None:
         if not tiers:
@@ -78,6 +85,9 @@ class TieredStore(Tier):
         self.tier_names = _unique_names(self.tiers)
         self.selection = selection
         self.promote = promote
+        self.admission = admission
+        self._sends_all = admission is Admission.ALL and len(self.tiers) > 1
+        """Every store goes on to the slower tiers (else only what is admitted)."""
         self.load_weight = min(tier.load_weight for tier in self.tiers)
         self._read_order = sorted(range(len(tiers)), key=lambda i: (tiers[i].load_weight, i))
         takers = [i for i, tier in enumerate(self.tiers) if tier.accepts_promotions]
@@ -86,11 +96,14 @@ class TieredStore(Tier):
         self._hit_tokens = [0] * len(tiers)
         self._pending_loads = [0] * len(tiers)
         self._errors = [0] * len(tiers)
+        self._num_admitted = 0
+        self._num_rejected = 0
+        """Blocks sent on to (held back from) each slower tier: the same for each."""
         self._lock = threading.Lock()
         self._changes: ChangeLog | None = None
         first = self.tiers[0].memory()
         self._first_memory = first
-        send_on = len(self.tiers) > 1
+        send_on = self._sends_all
         self._memory = None if first is None else StoreMemory(first, self._send_on, send_on=send_on)
         self._write_back = (
             WriteBack(
@@ -199,7 +212,10 @@ class TieredStore(Tier):
         """
         check_batch(keys, buffers, checksums)
         first = self._put_into(0, keys, buffers, checksums)
-        if self._write_back is not None:
+        if not self._sends_all:
+            results = list(first)
+            self._count_sent_on(0, results.count(PutStatus.OK))
+        elif self._write_back is not None:
             todo = [j for j, status in enumerate(first) if status is not PutStatus.EXISTS]
             queued = self._write_back.submit_many(
                 [keys[j] for j in todo], [buffers[j] for j in todo]
@@ -208,6 +224,7 @@ class TieredStore(Tier):
             for j, was_queued in zip(todo, queued, strict=True):
                 if was_queued and results[j] is not PutStatus.OK:
                     results[j] = PutStatus.OK
+            self._count_sent_on(len(todo), 0)
         else:
             results = list(first)
             for index in range(1, len(self.tiers)):
@@ -216,6 +233,7 @@ class TieredStore(Tier):
                     min(a, b, key=_PUT_RANK.__getitem__)
                     for a, b in zip(results, answers, strict=True)
                 ]
+            self._count_sent_on(len(keys), 0)
         with self._lock:
             stored = [j for j, status in enumerate(results) if status is PutStatus.OK]
             self._stats.puts += len(stored)
@@ -258,6 +276,14 @@ class TieredStore(Tier):
             self._stats.put_bytes += sum(len(view) for view in views)
         if len(self.tiers) == 1:
             return
+        if not self._sends_all:
+            self._count_sent_on(0, len(keys))
+            return
+        self._count_sent_on(len(keys), 0)
+        self._send_borrowed(keys, views)
+
+    def _send_borrowed(self, keys: list[StoreKey], views: list[Buffer]) -> None:
+        """Send views of the first tier's memory on; owns one borrow of each."""
         if self._write_back is not None:
             self._write_back.submit_borrowed_many(keys, views)
             return
@@ -265,6 +291,60 @@ class TieredStore(Tier):
             self._write_lower(keys, views)
         finally:
             self._release_first(keys)
+
+    def _count_sent_on(self, num_admitted: int, num_rejected: int) -> None:
+        if len(self.tiers) > 1:
+            with self._lock:
+                self._num_admitted += num_admitted
+                self._num_rejected += num_rejected
+
+    # Admission -----------------------------------------------------------------
+
+    def admit_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> int:
+        """Send blocks held in the first tier on to the slower tiers (write-back, or now
+        without it); returns how many were there to send. ``sizes``: each block's bytes.
+
+        With ``Admission.ALL`` every store went on already: nothing to do. A key the
+        first tier no longer holds (evicted, never stored) is skipped: recomputing it
+        is the fallback. Reading a block to send it on counts as a get there and makes
+        it most recent.
+        """
+        if len(keys) != len(sizes):
+            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes; give one size per key")
+        if self._sends_all or len(self.tiers) == 1 or not keys:
+            return 0
+        if self._memory is not None:
+            held, views = self._borrow_first(keys, sizes)
+            self._count_sent_on(len(held), 0)
+            if held:
+                self._send_borrowed(held, views)
+            return len(held)
+        buffers = [np.empty(size, np.uint8) for size in sizes]
+        found = self._get_from(0, keys, buffers)
+        ok = [j for j, status in enumerate(found) if status is GetStatus.OK]
+        self._count_sent_on(len(ok), 0)
+        if self._write_back is not None:
+            self._write_back.submit_many([keys[j] for j in ok], [buffers[j] for j in ok])
+        elif ok:
+            self._write_lower([keys[j] for j in ok], [buffers[j] for j in ok])
+        return len(ok)
+
+    def _borrow_first(
+        self, keys: Sequence[StoreKey], sizes: Sequence[int]
+    ) -> tuple[list[StoreKey], list[Buffer]]:
+        """The keys the first tier's memory holds, each borrowed once, and their views."""
+        memory = self._memory
+        assert memory is not None
+        failed: list[int | GetStatus] = [GetStatus.ERROR] * len(keys)
+        offsets = self._guard(0, "borrow", failed, memory.borrow_many, keys, sizes)
+        array = memory.array()
+        held: list[StoreKey] = []
+        views: list[Buffer] = []
+        for key, size, offset in zip(keys, sizes, offsets, strict=True):
+            if isinstance(offset, int):
+                held.append(key)
+                views.append(array[offset : offset + size])
+        return held, views
 
     def _borrow_limit(self) -> int | None:
         """Bytes of the first tier the write-back may keep borrowed: half of it, so the
@@ -344,6 +424,8 @@ class TieredStore(Tier):
             stats = TierStats(**self._stats.as_dict())
             stats.pending_loads = sum(self._pending_loads)
             stats.errors = sum(self._errors)
+            stats.admitted = self._num_admitted * (self.num_tiers - 1)
+            stats.rejected = self._num_rejected * (self.num_tiers - 1)
         return stats
 
     def stats_by_tier(self) -> dict[str, TierStats]:
@@ -357,6 +439,8 @@ class TieredStore(Tier):
                 stats.hit_tokens = self._hit_tokens[index]
                 stats.pending_loads = self._pending_loads[index]
                 stats.errors += self._errors[index]
+                if index > 0:
+                    stats.admitted, stats.rejected = self._num_admitted, self._num_rejected
             result[name] = stats
         return result
 

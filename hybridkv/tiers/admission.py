@@ -1,0 +1,20 @@
+"""Admission to the slower tiers: which stored blocks go on past the first tier.
+
+Any process; plain data. A ``TieredStore`` stores every block in its first
+tier (CPU memory). With ``Admission.ALL`` it also writes every one to each
+slower tier (disk, pool); with ``Admission.REUSED`` a block goes on only once
+someone admits it (``TieredStore.admit_many``: the connector's scheduler
+decides, ``connector.admission``), and one never admitted lives in the first
+tier only, until evicted there.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Admission(enum.Enum):
+    ALL = "all"
+    """Every stored block is written to every slower tier (LRU everywhere)."""
+    REUSED = "reused"
+    """A slower tier receives a block only once it is likely to be read again."""

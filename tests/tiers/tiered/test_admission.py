@@ -1,0 +1,124 @@
+"""TieredStore's admission over a real CpuTier and DiskTier: with ``reused`` a store
+stops at the first tier until ``admit_many`` sends it on; with ``all`` it goes on."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridkv.tiers.admission import Admission
+from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, Tier
+from hybridkv.tiers.cpu import CpuConfig, CpuTier
+from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
+from hybridkv.tiers.tiered.store import TieredStore
+
+SIZE = 4096
+
+
+def key(i: int) -> StoreKey:
+    return StoreKey(f"test/admission/{i}")
+
+
+def payload(k: str) -> np.ndarray:
+    return np.random.default_rng(zlib.crc32(k.encode())).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+def disk(path: Path) -> DiskTier:
+    return DiskTier(DiskConfig(path=path, capacity_bytes=16 << 20))
+
+
+def make_store(tmp_path: Path, admission: Admission, *, write_back: bool = True) -> TieredStore:
+    first = CpuTier(CpuConfig(capacity_bytes=64 * SIZE, pin_memory=False))
+    return TieredStore([first, disk(tmp_path / "disk")], admission=admission, write_back=write_back)
+
+
+def store_in_place(store: TieredStore, keys: list[StoreKey]) -> None:
+    """As a transfer stores: reserve in the first tier's memory, write, commit."""
+    memory = store.memory()
+    assert memory is not None
+    offsets = memory.reserve_many(keys, [SIZE] * len(keys))
+    arena = memory.memory.numpy()
+    for k, offset in zip(keys, offsets, strict=True):
+        assert isinstance(offset, int)
+        arena[offset : offset + SIZE] = payload(k)
+    memory.commit_many(keys, [True] * len(keys))
+
+
+def store_by_put(store: TieredStore, keys: list[StoreKey]) -> None:
+    assert store.put_many(keys, [payload(k) for k in keys]) == [PutStatus.OK] * len(keys)
+
+
+def on_disk(store: TieredStore, keys: list[StoreKey]) -> list[bool]:
+    assert store.flush(30)
+    return store.tiers[1].contains_many(keys)
+
+
+def assert_reads_back(tier: Tier, keys: list[StoreKey]) -> None:
+    buffers = [np.empty(SIZE, np.uint8) for _ in keys]
+    assert tier.get_many_into(keys, buffers) == [GetStatus.OK] * len(keys)
+    for k, buf in zip(keys, buffers, strict=True):
+        assert np.array_equal(buf, payload(k))
+
+
+@pytest.mark.parametrize("write_back", [True, False], ids=["write-back", "sync"])
+@pytest.mark.parametrize("store_blocks", [store_in_place, store_by_put], ids=["in-place", "put"])
+def test_a_block_stored_once_reaches_disk_only_with_all(
+    tmp_path: Path, store_blocks: object, write_back: bool
+) -> None:
+    keys = [key(i) for i in range(8)]
+    for admission, expected in ((Admission.ALL, True), (Admission.REUSED, False)):
+        store = make_store(tmp_path / admission.value, admission, write_back=write_back)
+        assert callable(store_blocks)
+        store_blocks(store, keys)
+        assert on_disk(store, keys) == [expected] * 8
+        assert store.tiers[0].contains_many(keys) == [True] * 8  # still a hit from the cpu tier
+        disk_stats = store.stats_by_tier()["disk"]
+        assert (disk_stats.admitted, disk_stats.rejected) == ((8, 0) if expected else (0, 8))
+        assert store.stats_by_tier()["cpu"].rejected == 0
+        store.check_integrity()
+        store.close()
+
+
+@pytest.mark.parametrize("write_back", [True, False], ids=["write-back", "sync"])
+def test_admitted_blocks_go_on_from_the_first_tier(tmp_path: Path, write_back: bool) -> None:
+    store = make_store(tmp_path, Admission.REUSED, write_back=write_back)
+    keys = [key(i) for i in range(8)]
+    store_in_place(store, keys)
+    absent = key(99)
+    assert store.admit_many([*keys[2:5], absent], [SIZE] * 4) == 3
+    assert on_disk(store, [*keys, absent]) == [False] * 2 + [True] * 3 + [False] * 4
+    assert_reads_back(store.tiers[1], keys[2:5])
+    disk_stats = store.stats_by_tier()["disk"]
+    assert (disk_stats.admitted, disk_stats.rejected) == (3, 8)
+    store.check_integrity()  # every borrow the admission took was released
+    store.tiers[0].delete_many(keys)  # nothing left pinned: deletes go through
+    assert store.tiers[0].usage().num_objects == 0
+    store.close()
+
+
+def test_admission_reads_a_first_tier_without_memory(tmp_path: Path) -> None:
+    store = TieredStore(
+        [disk(tmp_path / "near"), disk(tmp_path / "far")], admission=Admission.REUSED
+    )
+    assert store.memory() is None
+    keys = [key(i) for i in range(4)]
+    store_by_put(store, keys)
+    assert on_disk(store, keys) == [False] * 4
+    assert store.admit_many(keys[:2], [SIZE] * 2) == 2
+    assert on_disk(store, keys) == [True] * 2 + [False] * 2
+    assert_reads_back(store.tiers[1], keys[:2])
+    store.close()
+
+
+def test_with_all_admit_many_has_nothing_to_do(tmp_path: Path) -> None:
+    store = make_store(tmp_path, Admission.ALL)
+    keys = [key(i) for i in range(4)]
+    store_in_place(store, keys)
+    assert store.admit_many(keys, [SIZE] * 4) == 0
+    assert store.stats_by_tier()["disk"].admitted == 4
+    with pytest.raises(ValueError, match="4 keys but 3 sizes"):
+        store.admit_many(keys, [SIZE] * 3)
+    store.close()
