@@ -14,10 +14,12 @@ from typing import Annotated
 from pydantic import Field, StrictInt, StrictStr
 from pydantic.dataclasses import dataclass
 
+from hybridkv.connector.admission import DEFAULT_SEEN_HASHES
 from hybridkv.connector.recency import EvictionOrder
 from hybridkv.keys import HashAlgo
 from hybridkv.paths import CACHE_DIR_ENV, default_cache_dir
 from hybridkv.schema import CONFIG, ByteSize, Number, UserPath, parse
+from hybridkv.tiers.admission import Admission
 from hybridkv.tiers.cpu import CpuConfig
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.registry import TierConfig
@@ -80,6 +82,27 @@ class ConnectorConfig:
             )
         ),
     ] = EvictionOrder.CHAIN
+    admission: Annotated[
+        Admission,
+        Field(
+            description=(
+                "which stored blocks the tiers after the first (disk, pool) receive; all: "
+                "every one; reused: only those likely to be read again, every group's blocks "
+                "of a prefix that two requests reached (looked up, computed or loaded), the "
+                "rest stays in the first tier until evicted there"
+            )
+        ),
+    ] = Admission.ALL
+    admission_seen_hashes: Annotated[
+        StrictInt,
+        Field(
+            ge=1,
+            description=(
+                "with admission reused: block hashes the scheduler remembers to tell a "
+                "prefix reached before (29-37 bytes each; the oldest seen is forgotten first)"
+            ),
+        ),
+    ] = DEFAULT_SEEN_HASHES
     load_timeout_s: Annotated[
         Number,
         Field(gt=0, allow_inf_nan=False, description="a load still running after this recomputes"),
@@ -90,7 +113,8 @@ class ConnectorConfig:
             ge=1 << 20,
             description=(
                 "device memory each worker copies KV blocks through on a GPU (allocated "
-                "once; a block larger than this gets a chunk of its size)"
+                "once, in two halves that take turns; a block larger than a half gets "
+                "halves of its size)"
             ),
         ),
     ] = 32 << 20

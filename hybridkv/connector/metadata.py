@@ -86,10 +86,19 @@ class ConnectorMetadata:
     written_block_ids: tuple[int, ...] = ()
     """Blocks (of any group) this step's forward pass may write: a store still copying
     one out must finish first (``ConnectorWorker.fence``)."""
+    admitted: tuple[BlockRef, ...] = ()
+    """Blocks stored, or being stored, to send on to the slower tiers
+    (``Admission.REUSED``; ``connector.admission``)."""
 
     @property
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.cancelled_req_ids or self.written_block_ids)
+        return not (
+            self.loads
+            or self.stores
+            or self.cancelled_req_ids
+            or self.written_block_ids
+            or self.admitted
+        )
 
 
 class LoadOutcome(enum.Enum):

@@ -51,6 +51,12 @@ class RequestState:
     num_failed_loads: int = 0
     finished: bool = False
     cacheable: bool = True
+    num_noted: int = 0
+    """Hashes of its chain noted for admission (``connector.admission``)."""
+    shared_hashes: int = 0
+    """Its chain's first hashes another request reached too (or it loaded)."""
+    admitted_hashes: int = 0
+    """Blocks ending within its first hashes were sent to be admitted."""
 
     def hash_up_to(self, token_ids: Sequence[int], end: int) -> None:
         """Hash the request's tokens up to ``end`` (those not hashed yet)."""

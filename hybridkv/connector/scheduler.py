@@ -7,7 +7,9 @@ every rank's tiers and the blocks still being stored; ``allocated`` turns it
 into per-group load transfers once the engine has allocated blocks;
 ``build_metadata`` adds, each step, the blocks of every group completed by
 that step's tokens (to store) and the blocks it writes (to fence); the
-workers' results come back through ``process_report``.
+workers' results come back through ``process_report``. With
+``Admission.REUSED`` it also names the stored blocks the slower tiers receive
+(``connector.admission``).
 
 Read-your-writes: a block sent for storing counts as stored for lookups
 until a worker reports it dropped, so a request that follows the one that
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from hybridkv.connector.admission import DEFAULT_SEEN_HASHES, AdmissionTracker
 from hybridkv.connector.lookup import KeyLookup
 from hybridkv.connector.metadata import (
     BlockRef,
@@ -40,6 +43,7 @@ from hybridkv.groups import ModelGroups
 from hybridkv.groups.kinds import rules_for
 from hybridkv.hits import Hit, drafting_groups
 from hybridkv.keys import BlockHash, HashAlgo, RequestBlockHasher
+from hybridkv.tiers.admission import Admission
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,8 @@ class ConnectorScheduler:
         tp_size: int = 1,
         use_eagle: bool = False,
         eagle_group_ids: frozenset[int] | None = None,
+        admission: Admission = Admission.ALL,
+        admission_seen_hashes: int = DEFAULT_SEEN_HASHES,
     ) -> None:
         if lookup.num_ranks != tp_size:
             raise ValueError(f"the lookup answers for {lookup.num_ranks} ranks, not {tp_size}")
@@ -90,6 +96,13 @@ class ConnectorScheduler:
         self._cancelled: set[str] = set()
         drafting = drafting_groups(model_groups.groups, use_eagle, eagle_group_ids)
         self.stores = StorePlanner(model_groups, self.builders[0], tp_size, drafting)
+        admits = admission is Admission.REUSED and lookup.num_tiers > 1
+        self.admission = (
+            AdmissionTracker(model_groups, self.builders[0], capacity=admission_seen_hashes)
+            if admits
+            else None
+        )
+        """None: every stored block reaches every tier (or there is one tier)."""
 
     # --- lookups and loads ---------------------------------------------------
 
@@ -120,6 +133,8 @@ class ConnectorScheduler:
         """Tokens beyond ``num_computed_tokens`` that can be loaded (the engine keeps >= 1)."""
         st = self._state(req_id, cache_salt, lora_name)
         st.hash_up_to(token_ids, len(token_ids))
+        if self.admission is not None and st.cacheable:
+            self.admission.note(st)
         st.hit = None
         max_hit_tokens = len(token_ids) - 1
         blocked = st.load is not None or not st.cacheable
@@ -194,6 +209,8 @@ class ConnectorScheduler:
         self._loads.append(plan)
         if plan.planned:
             self.stats.loads_planned += 1
+            if self.admission is not None:
+                self.admission.loaded(st, plan.num_tokens)
         else:
             self.stats.loads_unplanned += 1
 
@@ -260,12 +277,19 @@ class ConnectorScheduler:
                 st.hit = None
                 if st.load is not None:
                     self._cancelled.add(req_id)
-        stores = [s for r in step.scheduled if (s := self._plan_stores(r)) is not None]
+        stores: list[StorePlan] = []
+        admitted: list[BlockRef] = []
+        for req in step.scheduled:
+            plan = self._plan_stores(req)
+            if plan is not None:
+                stores.append(plan)
+            admitted += self._admits(req, plan)
         meta = ConnectorMetadata(
             loads=tuple(self._loads),
             stores=tuple(stores),
             cancelled_req_ids=frozenset(self._cancelled),
             written_block_ids=step.written_block_ids(self.model_groups),
+            admitted=tuple(admitted),
         )
         self._loads, self._cancelled = [], set()
         return meta
@@ -278,6 +302,16 @@ class ConnectorScheduler:
             st.table.clear()
         st.table.append(req.new_block_ids)
         return self.stores.plan(st, req, self.alignment_tokens)
+
+    def _admits(self, req: ScheduledRequest, plan: StorePlan | None) -> list[BlockRef]:
+        """The blocks this step of ``req`` admits to the slower tiers (none without
+        ``Admission.REUSED``)."""
+        st = self._requests[req.req_id]
+        if self.admission is None or not st.cacheable:
+            return []
+        self.admission.note(st)  # the tokens this step hashed
+        end = min(req.num_computed_tokens + req.num_scheduled_tokens, len(req.token_ids))
+        return self.admission.admits(st, end, plan)
 
     # --- results and the end of a request --------------------------------------
 

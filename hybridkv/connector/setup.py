@@ -82,7 +82,8 @@ def hit_alignment(config: ConnectorConfig, facts: EngineFacts) -> int:
 
 def build_store(tier_configs: tuple[TierConfig, ...], config: ConnectorConfig) -> TieredStore:
     """One rank's tiers behind one store (closes what it built if one tier fails)."""
-    return TieredStore(build_tiers(tier_configs), selection=config.selection)
+    tiers = build_tiers(tier_configs)
+    return TieredStore(tiers, selection=config.selection, admission=config.admission)
 
 
 def lookup_for_store(store: TieredStore) -> KeyLookup:
@@ -159,6 +160,8 @@ def build_scheduler(
         tp_size=facts.tp_size,
         use_eagle=facts.use_eagle,
         eagle_group_ids=facts.eagle_group_ids or None,
+        admission=config.admission,
+        admission_seen_hashes=config.admission_seen_hashes,
     )
     publish_card(config, facts, scheduler.alignment_tokens)
     return scheduler, opened

@@ -10,7 +10,9 @@ asynchronously on CUDA, where ``fence`` keeps the engine from writing a block
 before its copy is done) and written to the tiers in the background; a store
 that cannot be queued is dropped and reported. With ``EvictionOrder.CHAIN`` each
 request's blocks are touched in the tiers, last block first, whenever some were
-stored or loaded (``connector.recency``).
+stored or loaded (``connector.recency``). With ``Admission.REUSED`` the blocks
+the scheduler admits are sent on from the first tier to the slower ones
+(``admit``), once their store, if still running, is done.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ class ConnectorWorker:
         self._job_stores: dict[JobId, tuple[_Part, ...]] = {}
         self._storing: Counter[StoreKey] = Counter()
         """Keys of store jobs in flight (a load of them waits)."""
+        self._admit_when_stored: dict[StoreKey, int] = {}
+        """Keys admitted while their store was in flight -> their bytes."""
         self._report = _ReportBuilder(tp_rank)
         block_sizes = [group.block_size for group in model_groups.groups]
         self.chains = ChainRecency(block_sizes) if eviction_order is EvictionOrder.CHAIN else None
@@ -172,6 +176,22 @@ class ConnectorWorker:
                 if self.chains is not None:
                     self.chains.start_store(plan.req_id)
 
+    def admit(self, refs: Sequence[BlockRef]) -> None:
+        """Send these stored blocks on to the slower tiers (``Admission.REUSED``): now,
+        or those still being stored once their store is done."""
+        keys: list[StoreKey] = []
+        sizes: list[int] = []
+        for group_id, block_hash in refs:
+            key = self.keys.key(group_id, block_hash)
+            size = self.model_groups.groups[group_id].block_bytes
+            if key in self._storing:
+                self._admit_when_stored[key] = size
+            else:
+                keys.append(key)
+                sizes.append(size)
+        if keys:
+            self.store.admit_many(keys, sizes)
+
     def finish_requests(self, req_ids: frozenset[str] | set[str]) -> None:
         """The engine finished these requests (their stores still run to the end)."""
         if self.chains is not None:
@@ -229,6 +249,7 @@ class ConnectorWorker:
             k for parts in self._job_stores.values() for p in parts for k in p.part.keys
         )
         assert storing == +self._storing, "in-flight store keys out of sync"
+        assert self._admit_when_stored.keys() <= self._storing.keys(), "admission left waiting"
         if self.chains is not None:
             self.chains.check_integrity()
 
@@ -319,6 +340,15 @@ class ConnectorWorker:
             self._report.stored += stored
             self._report.dropped += failed
         self._storing = +self._storing  # drop zero counts
+        self._admit_stored([key for p in parts for key in p.part.keys])
+
+    def _admit_stored(self, keys: Sequence[StoreKey]) -> None:
+        """Admissions that waited for these keys' stores (unless another still runs)."""
+        waited = [k for k in keys if k in self._admit_when_stored and k not in self._storing]
+        ready = list(dict.fromkeys(waited))
+        if ready:
+            sizes = [self._admit_when_stored.pop(key) for key in ready]
+            self.store.admit_many(ready, sizes)
 
     def _on_load_result(self, load: _Load, part: _Part, result: JobResult) -> None:
         load.jobs.discard(result.job_id)

@@ -61,7 +61,13 @@ def make_engine(
     )
     if lookup is None:
         lookup = lookup_for_store(store)
-    scheduler = ConnectorScheduler(model_groups, lookup, selection=config.selection)
+    scheduler = ConnectorScheduler(
+        model_groups,
+        lookup,
+        selection=config.selection,
+        admission=config.admission,
+        admission_seen_hashes=config.admission_seen_hashes,
+    )
     return SimEngine(model_groups, scheduler, worker, **engine_kwargs)
 
 

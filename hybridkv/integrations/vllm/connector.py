@@ -215,7 +215,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         if self._worker is not None:
-            self._worker.save(self._meta().stores)
+            meta = self._meta()
+            self._worker.save(meta.stores)
+            self._worker.admit(meta.admitted)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()

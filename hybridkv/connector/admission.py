@@ -1,0 +1,85 @@
+"""Which stored blocks the slower tiers receive (``Admission.REUSED``).
+
+Scheduler process. Each request's chain of block hashes is noted once, as it
+is looked up and as its steps extend it; a hash another request noted first
+(``SeenHashes``: bounded, oldest forgotten first) means the prefix it ends was
+reached twice: a prefix several requests share, or one that came back. So is
+a prefix a request loads. Blocks within a request's shared prefix are
+admitted: those its own steps store, and those other requests stored before,
+once this request's steps reach them (the engine's own cache may have served
+them). Decisions go by the prefix, never by block: every group's blocks up to
+a boundary are admitted together, as a hit needs all of them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hybridkv.connector.metadata import BlockRef, StorePlan
+from hybridkv.connector.requests import RequestState
+from hybridkv.connector.seen import SeenHashes
+from hybridkv.groups import ModelGroups
+from hybridkv.keys import KeyBuilder
+
+DEFAULT_SEEN_HASHES = 1 << 20
+"""Hashes remembered by default: 29 MiB (``connector.seen``)."""
+SEEN = 1
+"""A request's chain reached the hash."""
+ADMITTED = 2
+"""The blocks ending at the hash were sent to be admitted."""
+
+
+class AdmissionTracker:
+    """Notes requests' chains and names the blocks each step admits."""
+
+    def __init__(self, model_groups: ModelGroups, builder: KeyBuilder, *, capacity: int) -> None:
+        self.model_groups = model_groups
+        self.builder = builder
+        """Any rank's builder: block hashes are the same for every rank."""
+        self.seen = SeenHashes(capacity)
+
+    def note(self, st: RequestState) -> None:
+        """The request's hashes not noted yet; those another request noted first make
+        the prefix up to the last of them shared."""
+        chain = st.hasher.block_hashes
+        before = self.seen.raise_to(chain[st.num_noted :], SEEN)
+        again = np.flatnonzero(before >= SEEN)
+        if len(again):
+            st.shared_hashes = max(st.shared_hashes, st.num_noted + int(again[-1]) + 1)
+        st.num_noted = len(chain)
+
+    def loaded(self, st: RequestState, num_tokens: int) -> None:
+        """The request loads its first ``num_tokens`` tokens from the tiers."""
+        num_hashes = num_tokens // self.model_groups.hash_block_size
+        st.shared_hashes = max(st.shared_hashes, num_hashes)
+
+    def admits(
+        self, st: RequestState, reached_tokens: int, plan: StorePlan | None
+    ) -> list[BlockRef]:
+        """The blocks to admit after a step that took the request to ``reached_tokens``
+        and stores ``plan``: its stores within the shared prefix, and every group's
+        blocks there not admitted yet (whoever stored them)."""
+        refs: dict[BlockRef, None] = {}
+        for t in () if plan is None else plan.transfers:
+            m = self.builder.hashes_per_block(t.group_id)
+            for index, block_hash in zip(t.block_indices, t.block_hashes, strict=True):
+                if (index + 1) * m <= st.shared_hashes:
+                    refs[BlockRef(t.group_id, block_hash)] = None
+        reached = reached_tokens // self.model_groups.hash_block_size
+        end = min(st.shared_hashes, reached, len(st.hasher.block_hashes))
+        if end > st.admitted_hashes:
+            refs.update(dict.fromkeys(self._not_admitted(st, end)))
+            st.admitted_hashes = end
+        return list(refs)
+
+    def _not_admitted(self, st: RequestState, end: int) -> list[BlockRef]:
+        """Every group's blocks ending in hashes [admitted_hashes, end) of the request's
+        chain that no request admitted yet (those are admitted now)."""
+        start, chain = st.admitted_hashes, st.hasher.block_hashes
+        before = self.seen.raise_to(chain[start:end], ADMITTED)
+        fresh = [start + int(k) for k in np.flatnonzero(before < ADMITTED)]
+        refs = []
+        for group_id in range(self.model_groups.num_groups):
+            m = self.builder.hashes_per_block(group_id)
+            refs += [BlockRef(group_id, chain[k]) for k in fresh if (k + 1) % m == 0]
+        return refs

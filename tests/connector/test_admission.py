@@ -1,0 +1,238 @@
+"""``admission``: with ``reused`` the disk tier receives a prefix only once two requests
+reached it (or one loaded it), every group's blocks together; with ``all`` every store.
+Real scheduler, worker, CPU and disk tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridkv.connector.config import ConnectorConfig
+from hybridkv.groups import GroupKind, ModelGroups
+from hybridkv.tiers.admission import Admission
+from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey
+from hybridkv.tiers.cpu import CpuConfig, CpuTier
+from hybridkv.tiers.disk.tier import DiskTier
+from hybridkv.tiers.tiered.store import TieredStore
+from tests.support.connector import (
+    GatedTier,
+    assert_kv_matches_cold,
+    block_keys,
+    close_engine,
+    disk_config,
+    disk_tier,
+    make_config,
+    make_engine,
+    prompt,
+    run_to_end,
+    wait_loaded,
+)
+from tests.support.sim import SimEngine, attention_page_bytes, make_groups
+
+FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
+BLOCK_SIZE = 4
+CHUNK = 32
+"""Tokens per step; a Mamba state is stored where a step ends."""
+PREFIX = prompt(64, seed=100)
+"""Shared by the requests that reuse it: 16 blocks, two steps."""
+KINDS = [(FULL,), (SW, FULL), (MAMBA, FULL)]
+KIND_IDS = ["full", "sliding+full", "mamba+full"]
+
+
+def with_suffix(seed: int, num_tokens: int = CHUNK) -> list[int]:
+    return PREFIX + prompt(num_tokens, seed=seed)
+
+
+def run(engine: SimEngine, req_id: str, tokens: list[int]) -> int:
+    """The request from lookup to its last token (its load checked against a cold run);
+    returns its hit."""
+    hit = engine.add(req_id, tokens)
+    if hit:
+        req = wait_loaded(engine, req_id)
+        assert req.outcomes[-1].ok
+        assert assert_kv_matches_cold(engine, req, hit) > 0
+    run_to_end(engine, req_id, CHUNK)
+    engine.settle()
+    assert engine.finish(req_id) is False
+    assert engine.worker.store.flush(30)
+    return hit
+
+
+def on_disk(config: ConnectorConfig, keys: list[StoreKey]) -> list[bool]:
+    reader = disk_tier(config)
+    try:
+        return reader.contains_many(keys)
+    finally:
+        reader.close()
+
+
+def stored_keys(model_groups: ModelGroups, engine: SimEngine, tokens: list[int]) -> list[StoreKey]:
+    """Every group's keys of ``tokens`` that the CPU tier holds (what was stored)."""
+    num_blocks = len(tokens) // BLOCK_SIZE
+    keys = [
+        k
+        for g in range(model_groups.num_groups)
+        for k in block_keys(model_groups, tokens, g, range(num_blocks))
+    ]
+    held = engine.worker.store.tiers[0].contains_many(keys)
+    return [k for k, h in zip(keys, held, strict=True) if h]
+
+
+def full_keys(model_groups: ModelGroups, tokens: list[int], blocks: range) -> list[StoreKey]:
+    return block_keys(model_groups, tokens, model_groups.num_groups - 1, blocks)
+
+
+@pytest.mark.parametrize("admission", ["all", "reused"])
+def test_a_prompt_seen_once_reaches_disk_only_with_all(tmp_path: Path, admission: str) -> None:
+    model_groups = make_groups((SW, FULL), block_size=BLOCK_SIZE)
+    config = make_config(tmp_path, admission=admission)
+    engine = make_engine(model_groups, config)
+    tokens = with_suffix(seed=1)
+    assert run(engine, "once", tokens) == 0
+    stored = stored_keys(model_groups, engine, tokens)
+    assert len(stored) == 2 * len(tokens) // BLOCK_SIZE
+    assert on_disk(config, stored) == [admission == "all"] * len(stored)
+    disk_stats = engine.worker.store.stats_by_tier()["disk"]
+    expected = (len(stored), 0) if admission == "all" else (0, len(stored))
+    assert (disk_stats.admitted, disk_stats.rejected) == expected
+    assert engine.add("again", tokens) == len(tokens) - BLOCK_SIZE  # a hit from the cpu tier
+    close_engine(engine)
+
+
+@pytest.mark.parametrize("seen_hashes", [1 << 20, 1], ids=["seen-twice", "loaded-only"])
+@pytest.mark.parametrize("kinds", KINDS, ids=KIND_IDS)
+def test_a_loaded_prefix_is_admitted_with_every_group(
+    tmp_path: Path, kinds: tuple[GroupKind, ...], seen_hashes: int
+) -> None:
+    """With one hash remembered, only the load tells that the prefix is reused."""
+    model_groups = make_groups(kinds, block_size=BLOCK_SIZE)
+    config = make_config(tmp_path, admission="reused", admission_seen_hashes=seen_hashes)
+    engine = make_engine(model_groups, config)
+    a, b = with_suffix(seed=1), with_suffix(seed=2)
+    assert run(engine, "a", a) == 0
+    prefix_keys = stored_keys(model_groups, engine, PREFIX)
+    assert on_disk(config, prefix_keys) == [False] * len(prefix_keys)
+    assert run(engine, "b", b) == len(PREFIX)  # from the cpu tier
+    assert on_disk(config, prefix_keys) == [True] * len(prefix_keys)
+    suffixes = [k for t in (a, b) for k in full_keys(model_groups, t, range(16, 24))]
+    assert on_disk(config, suffixes) == [False] * len(suffixes)  # each seen once
+    close_engine(engine)
+    restarted = make_engine(model_groups, config)  # an empty cpu tier, the same disk
+    assert run(restarted, "c", with_suffix(seed=3)) == len(PREFIX)  # every group's blocks
+    close_engine(restarted)
+
+
+@pytest.mark.parametrize("kinds", KINDS, ids=KIND_IDS)
+def test_a_prefix_computed_twice_is_admitted_once_its_store_ends(
+    tmp_path: Path, kinds: tuple[GroupKind, ...]
+) -> None:
+    """The second request recomputes the prefix (gone from the cpu tier): its own stores
+    are admitted, after they end."""
+    model_groups = make_groups(kinds, block_size=BLOCK_SIZE)
+    config = make_config(tmp_path, admission="reused")
+    engine = make_engine(model_groups, config)
+    assert run(engine, "a", with_suffix(seed=1)) == 0
+    prefix_keys = stored_keys(model_groups, engine, PREFIX)
+    assert engine.worker.store.tiers[0].delete_many(prefix_keys) == len(prefix_keys)
+    assert run(engine, "b", with_suffix(seed=2)) == 0
+    assert stored_keys(model_groups, engine, PREFIX) == prefix_keys  # stored again
+    assert on_disk(config, prefix_keys) == [True] * len(prefix_keys)
+    close_engine(engine)
+    restarted = make_engine(model_groups, config)
+    assert run(restarted, "c", with_suffix(seed=3)) == len(PREFIX)
+    close_engine(restarted)
+
+
+def small_tiers(tmp_path: Path, model_groups: ModelGroups, admission: str) -> ConnectorConfig:
+    block_bytes = 2 * attention_page_bytes(BLOCK_SIZE)  # two layers per group
+    num_groups = model_groups.num_groups
+    tiers: list[dict[str, Any]] = [
+        {"kind": "cpu", "capacity_bytes": 48 * num_groups * block_bytes, "pin_memory": False},
+        {
+            "kind": "disk",
+            "path": str(tmp_path / "disk"),
+            "capacity_bytes": "1MiB",
+            "segment_bytes": "256KiB",
+            "num_io_threads": 1,
+        },
+    ]
+    return make_config(tmp_path, tiers=tiers, admission=admission)
+
+
+@pytest.mark.parametrize("admission", ["all", "reused"])
+def test_one_off_prompts_do_not_push_a_shared_prefix_out_of_disk(
+    tmp_path: Path, admission: str
+) -> None:
+    """The cpu tier holds about one prompt, the disk a few (a 256 B block takes a 4 KiB
+    page there): between two requests that share a prefix come one-off prompts worth
+    more than the disk. Every hit is checked against a cold run (``run``)."""
+    model_groups = make_groups((SW, FULL), block_size=BLOCK_SIZE)
+    config = small_tiers(tmp_path, model_groups, admission)
+    engine = make_engine(model_groups, config)
+    cpu = engine.worker.store.tiers[0]
+    prefix_keys = full_keys(model_groups, PREFIX, range(16))
+    hits, in_cpu = [], []
+    for round_ in range(6):
+        for n in range(6):
+            one_off = prompt(160, seed=1000 + 10 * round_ + n)
+            assert run(engine, f"one-off {round_}.{n}", one_off) == 0
+        in_cpu.append(cpu.contains_many(prefix_keys).count(True))
+        hits.append(run(engine, f"shared {round_}", with_suffix(seed=round_)))
+    assert in_cpu == [0] * 6, "the cpu tier kept the prefix: make the one-offs larger"
+    disk_stats = engine.worker.store.stats_by_tier()["disk"]
+    if admission == "reused":
+        # The second request is the prefix's second sighting: it computes it (the cpu
+        # tier lost it, the disk never had it), and its stores are admitted.
+        assert hits == [0, 0] + [len(PREFIX)] * 4
+        assert on_disk(config, full_keys(model_groups, PREFIX, range(16))) == [True] * 16
+        assert disk_stats.rejected > 10 * disk_stats.admitted
+    else:
+        assert hits == [0] * 6, "the disk kept the prefix: make the one-offs larger"
+        assert disk_stats.rejected == 0
+    close_engine(engine)
+
+
+class GatedStores(GatedTier):
+    """A real CPU tier, offered without its memory (stores go through ``put_many``), whose
+    puts wait until ``release()``: a store stays in flight."""
+
+    def put_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
+        assert self.gate.wait(timeout=30)
+        return self.inner.put_many(keys, buffers, checksums)
+
+    def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
+        return self.inner.get_many_into(keys, buffers)
+
+
+def test_blocks_admitted_while_their_store_runs_go_on_once_it_ends(tmp_path: Path) -> None:
+    model_groups = make_groups((SW, FULL), block_size=BLOCK_SIZE)
+    config = make_config(tmp_path, admission="reused")
+    first = GatedStores(CpuTier(CpuConfig(capacity_bytes=8 << 20, pin_memory=False)))
+    first.release()
+    store = TieredStore(
+        [first, DiskTier(disk_config(config))], admission=Admission.REUSED, name="gated"
+    )
+    engine = make_engine(model_groups, config, store=store)
+    assert run(engine, "a", with_suffix(seed=1)) == 0
+    prefix_keys = stored_keys(model_groups, engine, PREFIX)
+    assert first.delete_many(prefix_keys) == len(prefix_keys)
+    first.gate.clear()
+    assert engine.add("b", with_suffix(seed=2)) == 0
+    engine.step({"b": CHUNK})  # stores blocks 0-7, admitted at once, still in flight
+    assert engine.last_meta is not None and engine.last_meta.admitted
+    assert engine.worker.store.tiers[0].contains_many(prefix_keys[:1]) == [False]
+    first.release()
+    run_to_end(engine, "b", CHUNK)
+    engine.settle()
+    assert engine.finish("b") is False
+    assert store.flush(30)
+    assert on_disk(config, prefix_keys) == [True] * len(prefix_keys)
+    close_engine(engine)
