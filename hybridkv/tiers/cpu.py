@@ -64,6 +64,17 @@ class CpuConfig(TierConfigBase):
     pin_memory: Annotated[
         StrictBool | None, Field(description="page-lock the arena; null: when CUDA is available")
     ] = None
+    second_chance: Annotated[
+        StrictBool,
+        Field(
+            description=(
+                "an object read since it was stored (a hit) is passed over once when it is "
+                "the next to evict: it becomes the most recent, its mark cleared, so objects "
+                "never read go first and a prefix every request reads outlives one-off "
+                "prompts; false: plain recency"
+            )
+        ),
+    ] = False
 
     reach: ClassVar[TierReach] = TierReach.PROCESS
     medium: ClassVar[TierMedium] = TierMedium.MEMORY
@@ -91,7 +102,7 @@ class CpuTier(Tier):
             config.capacity_bytes, pin_memory=config.pin_memory
         )
         self._tensor: torch.Tensor | None = None
-        self._index = ArenaIndex(config.capacity_bytes)
+        self._index = ArenaIndex(config.capacity_bytes, second_chance=config.second_chance)
         cpu_lru.warm_up()  # compiled (or loaded) now, not on the first put
         self._stats = TierStats()
         self._lock = threading.Lock()
@@ -289,7 +300,9 @@ class CpuTier(Tier):
                 self._stats.gets += 1
                 self._stats.get_bytes += slot.num_bytes
                 answers.append(slot.offset)
-        index.touch(np.array(used, np.int64))
+        rows_used = np.array(used, np.int64)
+        index.touch(rows_used)
+        index.stored.mark_read(rows_used)
         return answers
 
     # Bookkeeping ---------------------------------------------------------------------

@@ -48,10 +48,10 @@ class ArenaIndex:
     """Objects of one arena by key digest; least recently used (put, hit or borrow)
     evicted first."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, *, second_chance: bool = False) -> None:
         self._allocator = ExtentAllocator(capacity_bytes, tracked=False)
-        self.stored = LruObjects()
-        """Visible objects, least recently used first."""
+        self.stored = LruObjects(second_chance=second_chance)
+        """Visible objects, least recently used first (``LruObjects.second_chance``)."""
         self._reserved: dict[bytes, Slot] = {}
         self._zombies: dict[bytes, Slot] = {}
         self._pinned_bytes = 0

@@ -32,9 +32,10 @@ from hybridkv.tiers.digest_table import (
 Wide = npt.NDArray[np.int64]
 """Per row: arena offset, size (NONE: a free row)."""
 Narrow = npt.NDArray[np.int32]
-"""Per row: borrows, the next older row, the next newer row (NONE: none)."""
+"""Per row: borrows, the next older row, the next newer row (NONE: none), and 1 when
+the object was read since it was added or last came round (``second_chance``)."""
 _OFFSET, _SIZE = 0, 1
-_BORROWS, _OLDER, _NEWER = 0, 1, 2
+_BORROWS, _OLDER, _NEWER, _READ = 0, 1, 2, 3
 _HEAD, _TAIL = 0, 1
 _ADD, _TOUCH_ADDED = -2, -3
 """Deferred changes (``LruObjects.settle``) other than touching a row: add an object,
@@ -98,7 +99,7 @@ def _add(
         out[i] = row
         if row >= 0:
             wide[row, _OFFSET], wide[row, _SIZE] = new_wide[i, _OFFSET], new_wide[i, _SIZE]
-            narrow[row, _BORROWS] = 0
+            narrow[row, _BORROWS], narrow[row, _READ] = 0, 0
             _link_newest(narrow, ends, row)
 
 
@@ -125,7 +126,7 @@ def _settle(
                 num_present += 1
                 continue
             wide[row, _OFFSET], wide[row, _SIZE] = change_wide[i, _OFFSET], change_wide[i, _SIZE]
-            narrow[row, _BORROWS] = 0
+            narrow[row, _BORROWS], narrow[row, _READ] = 0, 0
             _link_newest(narrow, ends, row)
         else:
             if row == _TOUCH_ADDED:
@@ -142,11 +143,25 @@ def _unlink_all(narrow: Narrow, ends: Rows, wide: Wide, rows: Rows) -> None:  # 
 
 
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
-def _oldest_unborrowed(narrow: Narrow, head: int) -> int:  # pragma: no cover - native
-    row = head
-    while row >= 0 and narrow[row, _BORROWS] > 0:
-        row = narrow[row, _NEWER]
-    return row
+def _oldest_unborrowed(
+    narrow: Narrow, ends: Rows, second_chance: bool
+) -> int:  # pragma: no cover - native
+    """The least recent row nobody borrows. With ``second_chance``, a row read since it
+    last came round is passed over once: it becomes the most recent, its mark cleared
+    (so the walk ends within two rounds)."""
+    row = int(ends[_HEAD])
+    while row >= 0:
+        newer = int(narrow[row, _NEWER])
+        if narrow[row, _BORROWS] == 0:
+            if not (second_chance and narrow[row, _READ]):
+                return row
+            narrow[row, _READ] = 0
+            if newer < 0:  # the newest already: nothing else to pass it for
+                return row
+            _unlink(narrow, ends, row)
+            _link_newest(narrow, ends, row)
+        row = newer
+    return NONE
 
 
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
@@ -164,12 +179,15 @@ def _order(narrow: Narrow, head: int, out: Rows) -> int:  # pragma: no cover - n
 
 class LruObjects:
     """Stored objects by key digest: arena offset, size and borrows of each, and their
-    order of use (least recent first)."""
+    order of use (least recent first). With ``second_chance`` an object read since it
+    was added (or last came round) is passed over once when it is the least recent:
+    objects never read go first."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, second_chance: bool = False) -> None:
+        self.second_chance = second_chance
         self._table = DigestTable()
         self._wide: Wide = np.zeros((0, 2), np.int64)
-        self._narrow: Narrow = np.zeros((0, 3), np.int32)
+        self._narrow: Narrow = np.zeros((0, 4), np.int32)
         self._ends: Rows = np.array([NONE, NONE], np.int64)
         self._later: list[tuple[int, bytes, int, int]] = []
         """Changes deferred to ``settle``, in order: (row to touch, or ``_ADD`` /
@@ -227,6 +245,13 @@ class LruObjects:
     def touch_one(self, row: int) -> None:
         _touch_one(self._narrow, self._ends, row)
 
+    def mark_read(self, rows: Rows) -> None:
+        """These objects were read (a hit): ``second_chance`` passes them over once."""
+        self._narrow[rows, _READ] = 1
+
+    def was_read(self, row: int) -> bool:
+        return bool(self._narrow[row, _READ])
+
     # A batch of puts defers its changes: one native call applies them all.
 
     def add_later(self, digest: bytes, offset: int, size: int) -> None:
@@ -263,8 +288,9 @@ class LruObjects:
         self._table.release(rows)
 
     def oldest_unborrowed(self) -> int:
-        """The least recently used row nobody borrows; NONE if none."""
-        return int(_oldest_unborrowed(self._narrow, self._ends[_HEAD]))
+        """The least recently used row nobody borrows (see ``second_chance``, which may
+        reorder rows read since they last came round); NONE if none."""
+        return int(_oldest_unborrowed(self._narrow, self._ends, self.second_chance))
 
     def order(self) -> Rows:
         """Rows in use, least recently used first."""
@@ -306,6 +332,9 @@ def warm_up() -> None:
     objects.touch_later(int(rows[0]))
     objects.touch_later(None, bytes(16))
     objects.settle()
+    objects.oldest_unborrowed()
+    objects.mark_read(rows)
+    objects.second_chance = True
     objects.oldest_unborrowed()
     objects.order()
     objects.remove(objects.find(digest_words(bytes(16) + bytes(range(32)))))

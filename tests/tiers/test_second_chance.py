@@ -1,0 +1,128 @@
+"""The CPU tier's ``second_chance``: an object read since it was stored is passed over
+once when it would be evicted, so objects never read go first. Against a list model
+(hypothesis) and through ``CpuTier`` with real puts and gets."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.tiers.base import GetStatus, StoreKey
+from hybridkv.tiers.codec import key_digest
+from hybridkv.tiers.cpu import CpuConfig, CpuTier
+from hybridkv.tiers.cpu_lru import LruObjects
+from hybridkv.tiers.digest_table import NONE, digest_words
+
+NUM_KEYS = 16
+
+
+def digest(i: int) -> bytes:
+    return (i % 4).to_bytes(8, "little") + i.to_bytes(8, "little")
+
+
+def model_victim(order: list[int], read: set[int], borrowed: set[int]) -> int | None:
+    """The walk, on a plain list: skip borrowed; return an unread one; pass a read one
+    over once (to the end, mark cleared), unless it is the last."""
+    i = 0
+    while i < len(order):
+        k = order[i]
+        if k in borrowed:
+            i += 1
+            continue
+        if k not in read:
+            return k
+        read.discard(k)
+        if i == len(order) - 1:
+            return k
+        order.append(order.pop(i))
+    return None
+
+
+keys = st.lists(st.integers(0, NUM_KEYS - 1), min_size=1, max_size=5)
+ops = st.lists(st.tuples(st.sampled_from(["add", "touch", "read", "borrow", "evict"]), keys))
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.booleans())
+def test_eviction_follows_the_model(steps: list[tuple[str, list[int]]], second: bool) -> None:
+    objects = LruObjects(second_chance=second)
+    order: list[int] = []
+    read: set[int] = set()
+    borrowed: set[int] = set()
+    for op, batch in steps:
+        rows = objects.find(digest_words(b"".join(map(digest, batch))))
+        present = [(i, int(r)) for i, r in zip(batch, rows, strict=True) if r >= 0]
+        if op == "add":
+            fresh = list(dict.fromkeys(i for i in batch if i not in order))
+            added = objects.add(
+                digest_words(b"".join(map(digest, fresh))),
+                np.arange(len(fresh), dtype=np.int64),
+                np.ones(len(fresh), np.int64),
+            )
+            assert np.all(added >= 0)
+            order += fresh
+        elif op == "touch":
+            objects.touch(np.array([r for _, r in present], np.int64))
+            for i, _ in present:
+                order.append(order.pop(order.index(i)))
+        elif op == "read":
+            objects.mark_read(np.array([r for _, r in present], np.int64))
+            read |= {i for i, _ in present}
+        elif op == "borrow":
+            for i, r in dict(present).items():
+                objects.borrows[r] += 1
+                borrowed.add(i)
+        else:
+            want = model_victim(order, read if second else set(), borrowed)
+            got = objects.oldest_unborrowed()
+            if want is None:
+                assert got == NONE
+            else:
+                assert objects.digest(got) == digest(want)
+                objects.remove(np.array([got], np.int64))
+                order.remove(want)
+                read.discard(want)
+        assert [objects.digest(r) for r in objects.order()] == [digest(i) for i in order]
+        objects.check()
+
+
+SIZE = 1000  # rounds to 1024: eight fit in 8192 bytes
+
+
+def tier(second: bool) -> CpuTier:
+    config = CpuConfig(capacity_bytes=8192, pin_memory=False, second_chance=second)
+    return CpuTier(config)
+
+
+def put(t: CpuTier, names: list[str]) -> None:
+    t.put_many([StoreKey(n) for n in names], [np.full(SIZE, 7, np.uint8) for _ in names])
+
+
+def read(t: CpuTier, names: list[str]) -> list[GetStatus]:
+    out = [np.empty(SIZE, np.uint8) for _ in names]
+    return t.get_many_into([StoreKey(n) for n in names], out)
+
+
+def test_a_prefix_read_again_outlives_one_off_prompts_once() -> None:
+    """A shared prefix (read once since stored) and one-off prompts stored after it:
+    plain recency evicts the prefix first; second chance evicts the one-offs and keeps
+    the prefix for one more round, after which, unread, it goes too."""
+    shared = ["shared/0", "shared/1"]
+    kept = {}
+    for second in (False, True):
+        t = tier(second)
+        put(t, shared)
+        assert read(t, shared) == [GetStatus.OK] * 2
+        put(t, [f"once/{i}" for i in range(6)])  # the tier is full now
+        put(t, [f"once/{i}" for i in range(6, 9)])  # three more: three evictions
+        kept[second] = t.contains_many([StoreKey(n) for n in shared])
+        t.check_integrity()
+        if second:
+            # The first eviction passed both over (to the recent end), then took once/0.
+            names = ["once/3", "once/4", "once/5", *shared, "once/6", "once/7", "once/8"]
+            assert t.lru_digests() == [key_digest(StoreKey(n)) for n in names]
+            assert t.contains_many([StoreKey(f"once/{i}") for i in range(3)]) == [False] * 3
+            put(t, [f"once/{i}" for i in range(9, 17)])  # a whole round, nothing read
+            assert t.contains_many([StoreKey(n) for n in shared]) == [False, False]
+    assert kept == {False: [False, False], True: [True, True]}
