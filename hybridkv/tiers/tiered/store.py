@@ -9,18 +9,16 @@ transfer may also store into the first tier's memory in place (``memory()``,
 ``tiers.tiered.in_place``), and what it commits is sent on the same way,
 borrowed rather than copied. With ``Admission.REUSED`` stores stop at the first
 tier, and ``admit_many`` sends on the blocks someone judged worth keeping
-(``tiers.admission``). A tier that raises never breaks the store: the error is
-logged once, counted, and answered as a miss.
+(``tiers.admission``, ``tiers.tiered.admission``). A tier that raises never
+breaks the store: the error is logged once, counted, and answered as a miss
+(``tiers.tiered.guard``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from typing import TypeVar
-
-import numpy as np
+from collections.abc import Sequence
 
 from hybridkv.tiers.admission import Admission
 from hybridkv.tiers.base import (
@@ -35,13 +33,13 @@ from hybridkv.tiers.base import (
     check_batch,
 )
 from hybridkv.tiers.selection import Selection
+from hybridkv.tiers.tiered.admission import Admitting
 from hybridkv.tiers.tiered.changes import ChangeLog, KeyChange
+from hybridkv.tiers.tiered.guard import TierGuard
 from hybridkv.tiers.tiered.in_place import StoreMemory
 from hybridkv.tiers.tiered.write_back import WriteBack, WriteBackStats
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 _GET_SEVERITY = {GetStatus.MISS: 0, GetStatus.ERROR: 1, GetStatus.CORRUPT: 2}
 _PUT_RANK = {PutStatus.OK: 0, PutStatus.EXISTS: 1, PutStatus.FULL: 2, PutStatus.ERROR: 3}
@@ -54,7 +52,7 @@ def _unique_names(tiers: Sequence[Tier]) -> tuple[str, ...]:
     return tuple(names)
 
 
-class TieredStore(Tier):
+class TieredStore(Admitting, Tier):
     """Several tiers behind the ``Tier`` protocol (see the module docstring for weights).
 
     ``tiers[0]`` takes stores synchronously (normally the CPU tier); with
@@ -87,7 +85,6 @@ class TieredStore(Tier):
         self.promote = promote
         self.admission = admission
         self._sends_all = admission is Admission.ALL and len(self.tiers) > 1
-        """Every store goes on to the slower tiers (else only what is admitted)."""
         self.load_weight = min(tier.load_weight for tier in self.tiers)
         self._read_order = sorted(range(len(tiers)), key=lambda i: (tiers[i].load_weight, i))
         takers = [i for i, tier in enumerate(self.tiers) if tier.accepts_promotions]
@@ -95,10 +92,9 @@ class TieredStore(Tier):
         self._stats = TierStats()
         self._hit_tokens = [0] * len(tiers)
         self._pending_loads = [0] * len(tiers)
-        self._errors = [0] * len(tiers)
+        self._guard = TierGuard(name, self.tier_names, logger)
         self._num_admitted = 0
         self._num_rejected = 0
-        """Blocks sent on to (held back from) each slower tier: the same for each."""
         self._lock = threading.Lock()
         self._changes: ChangeLog | None = None
         first = self.tiers[0].memory()
@@ -136,7 +132,7 @@ class TieredStore(Tier):
         return found
 
     def _contains_in(self, index: int, keys: Sequence[StoreKey]) -> list[bool]:
-        return self._batch(index, "contains", False, self.tiers[index].contains_many, keys)
+        return self._guard.batch(index, "contains", False, self.tiers[index].contains_many, keys)
 
     # Data path ---------------------------------------------------------------
 
@@ -181,7 +177,9 @@ class TieredStore(Tier):
         with self._lock:
             self._pending_loads[index] += len(keys)
         try:
-            answers = self._batch(index, "get", GetStatus.ERROR, tier.get_many_into, keys, buffers)
+            answers = self._guard.batch(
+                index, "get", GetStatus.ERROR, tier.get_many_into, keys, buffers
+            )
             if self._changes is not None:
                 self._changes.note_gets(index, keys, answers)
             return answers
@@ -251,7 +249,9 @@ class TieredStore(Tier):
         what: str = "put",
     ) -> list[PutStatus]:
         put_many = self.tiers[index].put_many
-        answers = self._batch(index, what, PutStatus.ERROR, put_many, keys, buffers, checksums)
+        answers = self._guard.batch(
+            index, what, PutStatus.ERROR, put_many, keys, buffers, checksums
+        )
         if self._changes is not None:
             self._changes.note_puts(index, keys, answers)
         return answers
@@ -261,107 +261,15 @@ class TieredStore(Tier):
         answers = [self._put_into(index, keys, buffers) for index in range(1, len(self.tiers))]
         return sum(status is PutStatus.ERROR for per_tier in answers for status in per_tier)
 
-    # In place ------------------------------------------------------------------
-
     def memory(self) -> TierMemory | None:
         """The first tier's memory (None where it has none); commits reach the other
-        tiers as ``put_many`` does, without a copy."""
+        tiers as ``put_many`` does, without a copy (``tiers.tiered.admission``)."""
         return self._memory
-
-    def _send_on(self, keys: list[StoreKey], views: list[Buffer]) -> None:
-        """Objects committed in place in the first tier: count them, then send them to
-        the others; with other tiers this owns one borrow of each, released once sent."""
-        with self._lock:
-            self._stats.puts += len(keys)
-            self._stats.put_bytes += sum(len(view) for view in views)
-        if len(self.tiers) == 1:
-            return
-        if not self._sends_all:
-            self._count_sent_on(0, len(keys))
-            return
-        self._count_sent_on(len(keys), 0)
-        self._send_borrowed(keys, views)
-
-    def _send_borrowed(self, keys: list[StoreKey], views: list[Buffer]) -> None:
-        """Send views of the first tier's memory on; owns one borrow of each."""
-        if self._write_back is not None:
-            self._write_back.submit_borrowed_many(keys, views)
-            return
-        try:
-            self._write_lower(keys, views)
-        finally:
-            self._release_first(keys)
-
-    def _count_sent_on(self, num_admitted: int, num_rejected: int) -> None:
-        if len(self.tiers) > 1:
-            with self._lock:
-                self._num_admitted += num_admitted
-                self._num_rejected += num_rejected
-
-    # Admission -----------------------------------------------------------------
-
-    def admit_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> int:
-        """Send blocks held in the first tier on to the slower tiers (write-back, or now
-        without it); returns how many were there to send. ``sizes``: each block's bytes.
-
-        With ``Admission.ALL`` every store went on already: nothing to do. A key the
-        first tier no longer holds (evicted, never stored) is skipped: recomputing it
-        is the fallback. Reading a block to send it on counts as a get there and makes
-        it most recent.
-        """
-        if len(keys) != len(sizes):
-            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes; give one size per key")
-        if self._sends_all or len(self.tiers) == 1 or not keys:
-            return 0
-        if self._memory is not None:
-            held, views = self._borrow_first(keys, sizes)
-            self._count_sent_on(len(held), 0)
-            if held:
-                self._send_borrowed(held, views)
-            return len(held)
-        buffers = [np.empty(size, np.uint8) for size in sizes]
-        found = self._get_from(0, keys, buffers)
-        ok = [j for j, status in enumerate(found) if status is GetStatus.OK]
-        self._count_sent_on(len(ok), 0)
-        if self._write_back is not None:
-            self._write_back.submit_many([keys[j] for j in ok], [buffers[j] for j in ok])
-        elif ok:
-            self._write_lower([keys[j] for j in ok], [buffers[j] for j in ok])
-        return len(ok)
-
-    def _borrow_first(
-        self, keys: Sequence[StoreKey], sizes: Sequence[int]
-    ) -> tuple[list[StoreKey], list[Buffer]]:
-        """The keys the first tier's memory holds, each borrowed once, and their views."""
-        memory = self._memory
-        assert memory is not None
-        failed: list[int | GetStatus] = [GetStatus.ERROR] * len(keys)
-        offsets = self._guard(0, "borrow", failed, memory.borrow_many, keys, sizes)
-        array = memory.array()
-        held: list[StoreKey] = []
-        views: list[Buffer] = []
-        for key, size, offset in zip(keys, sizes, offsets, strict=True):
-            if isinstance(offset, int):
-                held.append(key)
-                views.append(array[offset : offset + size])
-        return held, views
-
-    def _borrow_limit(self) -> int | None:
-        """Bytes of the first tier the write-back may keep borrowed: half of it, so the
-        tier can still evict for new stores while the slower tiers lag (None: no limit
-        known)."""
-        usage = self._guard(0, "usage", None, self.tiers[0].usage)
-        capacity = None if usage is None else usage.capacity_bytes
-        return None if capacity is None else capacity // 2
-
-    def _release_first(self, keys: list[StoreKey]) -> None:
-        if self._first_memory is not None:
-            self._guard(0, "release", None, self._first_memory.release_many, keys)
 
     def touch_many(self, keys: Sequence[StoreKey]) -> None:
         """Passed to every tier (those that evict by recency reorder, see ``Tier.touch_many``)."""
         for index, tier in enumerate(self.tiers):
-            self._guard(index, "touch", None, tier.touch_many, keys)
+            self._guard.call(index, "touch", None, tier.touch_many, keys)
 
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove from every tier (and from the write-back queue); returns keys found anywhere."""
@@ -369,7 +277,7 @@ class TieredStore(Tier):
             self._write_back.cancel(keys)
         present = self.contains_many(keys)
         for index, tier in enumerate(self.tiers):
-            self._guard(index, "delete", 0, tier.delete_many, keys)
+            self._guard.call(index, "delete", 0, tier.delete_many, keys)
             if self._changes is not None:
                 self._changes.note_deletes(index, keys)
         return sum(present)
@@ -377,10 +285,14 @@ class TieredStore(Tier):
     def register_staging(self, staging: Buffer) -> int:
         """Offered to every tier: reads and the first tier's stores see staging buffers."""
         tiers = enumerate(self.tiers)
-        return max(self._guard(i, "register", 0, t.register_staging, staging) for i, t in tiers)
+        return max(
+            self._guard.call(i, "register", 0, t.register_staging, staging) for i, t in tiers
+        )
 
     def staging_busy(self) -> bool:
-        return any(self._guard(i, "busy", False, t.staging_busy) for i, t in enumerate(self.tiers))
+        return any(
+            self._guard.call(i, "busy", False, t.staging_busy) for i, t in enumerate(self.tiers)
+        )
 
     # Bookkeeping ---------------------------------------------------------------
 
@@ -410,7 +322,9 @@ class TieredStore(Tier):
 
     def usage(self) -> TierUsage:
         """Sums over the tiers (an object held by two tiers counts twice)."""
-        usages = [self._guard(i, "usage", None, tier.usage) for i, tier in enumerate(self.tiers)]
+        usages = [
+            self._guard.call(i, "usage", None, tier.usage) for i, tier in enumerate(self.tiers)
+        ]
         known = [u for u in usages if u is not None]
         capacities = [u.capacity_bytes if u is not None else None for u in usages]
         return TierUsage(
@@ -423,7 +337,7 @@ class TieredStore(Tier):
         with self._lock:
             stats = TierStats(**self._stats.as_dict())
             stats.pending_loads = sum(self._pending_loads)
-            stats.errors = sum(self._errors)
+            stats.errors = self._guard.num_errors()
             stats.admitted = self._num_admitted * (self.num_tiers - 1)
             stats.rejected = self._num_rejected * (self.num_tiers - 1)
         return stats
@@ -433,12 +347,12 @@ class TieredStore(Tier):
         pending loads, exceptions it caught)."""
         result = {}
         for index, (name, tier) in enumerate(zip(self.tier_names, self.tiers, strict=True)):
-            own = self._guard(index, "stats", None, tier.stats)
+            own = self._guard.call(index, "stats", None, tier.stats)
             stats = TierStats(**own.as_dict()) if own is not None else TierStats()
             with self._lock:
                 stats.hit_tokens = self._hit_tokens[index]
                 stats.pending_loads = self._pending_loads[index]
-                stats.errors += self._errors[index]
+                stats.errors += self._guard.num_errors(index)
                 if index > 0:
                     stats.admitted, stats.rejected = self._num_admitted, self._num_rejected
             result[name] = stats
@@ -457,42 +371,4 @@ class TieredStore(Tier):
         if self._write_back is not None:
             self._write_back.close(timeout_s)
         for index, tier in enumerate(self.tiers):
-            self._guard(index, "close", None, tier.close)
-
-    def _batch(
-        self,
-        index: int,
-        what: str,
-        failed: T,
-        call: Callable[..., list[T]],
-        keys: Sequence[StoreKey],
-        *args: object,
-    ) -> list[T]:
-        """One batched tier call; a wrong-length answer counts as an error."""
-
-        def checked() -> list[T]:
-            answers = call(keys, *args)
-            if len(answers) != len(keys):
-                raise RuntimeError(f"answered {len(answers)} results for {len(keys)} keys")
-            return answers
-
-        return self._guard(index, what, [failed] * len(keys), checked)
-
-    def _guard(self, index: int, what: str, failed: T, call: Callable[..., T], *args: object) -> T:
-        """Run ``call(*args)`` on tier ``index``; an exception is logged once, counted, and
-        answered with ``failed``."""
-        try:
-            return call(*args)
-        except Exception as exc:
-            with self._lock:
-                first = self._errors[index] == 0
-                self._errors[index] += 1
-            logger.log(
-                logging.WARNING if first else logging.DEBUG,
-                "tiered store %s: %s on tier %s failed: %r",
-                self.name,
-                what,
-                self.tier_names[index],
-                exc,
-            )
-            return failed
+            self._guard.call(index, "close", None, tier.close)
