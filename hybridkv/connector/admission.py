@@ -18,8 +18,10 @@ import numpy as np
 from hybridkv.connector.metadata import BlockRef, StorePlan
 from hybridkv.connector.requests import RequestState
 from hybridkv.connector.seen import SeenHashes
+from hybridkv.connector.steps import ScheduledRequest
 from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder
+from hybridkv.tiers.admission import Admission
 
 DEFAULT_SEEN_HASHES = 1 << 20
 """Hashes remembered by default: 29 MiB (``connector.seen``)."""
@@ -38,6 +40,21 @@ class AdmissionTracker:
         """Any rank's builder: block hashes are the same for every rank."""
         self.seen = SeenHashes(capacity)
 
+    @classmethod
+    def if_needed(
+        cls,
+        admission: Admission,
+        model_groups: ModelGroups,
+        builder: KeyBuilder,
+        num_tiers: int,
+        capacity: int,
+    ) -> AdmissionTracker | None:
+        """A tracker for ``Admission.REUSED`` over several tiers; None where every stored
+        block reaches every tier (``Admission.ALL``, or one tier)."""
+        if admission is not Admission.REUSED or num_tiers <= 1:
+            return None
+        return cls(model_groups, builder, capacity=capacity)
+
     def note(self, st: RequestState) -> None:
         """The request's hashes not noted yet; those another request noted first make
         the prefix up to the last of them shared."""
@@ -54,11 +71,13 @@ class AdmissionTracker:
         st.shared_hashes = max(st.shared_hashes, num_hashes)
 
     def admits(
-        self, st: RequestState, reached_tokens: int, plan: StorePlan | None
+        self, st: RequestState, req: ScheduledRequest, plan: StorePlan | None
     ) -> list[BlockRef]:
-        """The blocks to admit after a step that took the request to ``reached_tokens``
-        and stores ``plan``: its stores within the shared prefix, and every group's
-        blocks there not admitted yet (whoever stored them)."""
+        """The blocks to admit after the step ``req`` of the request, which stores
+        ``plan``: its stores within the shared prefix, and every group's blocks there,
+        up to where the step reached, not admitted yet (whoever stored them)."""
+        self.note(st)  # the tokens this step hashed
+        reached_tokens = min(req.num_computed_tokens + req.num_scheduled_tokens, len(req.token_ids))
         refs: dict[BlockRef, None] = {}
         for t in () if plan is None else plan.transfers:
             m = self.builder.hashes_per_block(t.group_id)

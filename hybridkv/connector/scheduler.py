@@ -36,6 +36,7 @@ from hybridkv.connector.metadata import (
 )
 from hybridkv.connector.requests import GroupBlockTable, RequestState
 from hybridkv.connector.search import HitSearch
+from hybridkv.connector.sources import hit_sources
 from hybridkv.connector.stats import SchedulerStats
 from hybridkv.connector.steps import LookupResult, ScheduledRequest, StepInput
 from hybridkv.connector.stores import StorePlanner, make_transfer
@@ -96,11 +97,8 @@ class ConnectorScheduler:
         self._cancelled: set[str] = set()
         drafting = drafting_groups(model_groups.groups, use_eagle, eagle_group_ids)
         self.stores = StorePlanner(model_groups, self.builders[0], tp_size, drafting)
-        admits = admission is Admission.REUSED and lookup.num_tiers > 1
-        self.admission = (
-            AdmissionTracker(model_groups, self.builders[0], capacity=admission_seen_hashes)
-            if admits
-            else None
+        self.admission = AdmissionTracker.if_needed(
+            admission, model_groups, self.builders[0], lookup.num_tiers, admission_seen_hashes
         )
         """None: every stored block reaches every tier (or there is one tier)."""
 
@@ -309,9 +307,7 @@ class ConnectorScheduler:
         st = self._requests[req.req_id]
         if self.admission is None or not st.cacheable:
             return []
-        self.admission.note(st)  # the tokens this step hashed
-        end = min(req.num_computed_tokens + req.num_scheduled_tokens, len(req.token_ids))
-        return self.admission.admits(st, end, plan)
+        return self.admission.admits(st, req, plan)
 
     # --- results and the end of a request --------------------------------------
 
@@ -368,37 +364,13 @@ class ConnectorScheduler:
         return False
 
     def hit_sources(self, req_id: str) -> dict[int, int]:
-        """Tokens of the load just planned for ``req_id``, by the tier (index) serving them.
-
-        Each block goes to the cheapest tier holding it (blocks still being
-        stored to the first tier); a load's tokens are split in proportion to
-        the bytes each tier serves. Costs one lookup per tier (for metrics).
-        """
+        """Tokens of the load just planned for ``req_id``, by the tier (index) serving them
+        (``connector.sources``; one lookup per tier, for metrics)."""
         st = self._requests.get(req_id)
-        plan = None if st is None else st.load
-        if plan is None or not plan.planned or plan.num_tokens <= plan.base_tokens:
+        if st is None or st.load is None:
             return {}
-        num_tokens = plan.num_tokens - plan.base_tokens
-        if plan.tier_index is not None:
-            return {plan.tier_index: num_tokens}
-        view = self.lookup_view
-        order = sorted(range(view.num_tiers), key=lambda i: (view.load_weights[i], i))
-        served = [0] * view.num_tiers
-        for t in plan.transfers:
-            block_bytes = self.model_groups.groups[t.group_id].block_bytes
-            todo = [
-                h for h in t.block_hashes if not self.stores.is_storing(BlockRef(t.group_id, h))
-            ]
-            served[0] += (len(t.block_hashes) - len(todo)) * block_bytes
-            for tier in order:
-                if not todo:
-                    break
-                keys = self.builders[0].keys_of(t.group_id, todo)
-                found = view.contains_many(keys, rank=0, tier_index=tier)
-                served[tier] += sum(found) * block_bytes
-                todo = [h for h, hit in zip(todo, found, strict=True) if not hit]
-            served[order[0]] += len(todo) * block_bytes  # gone since the lookup: unknown
-        return _split(num_tokens, served)
+        stores, builder = self.stores, self.builders[0]
+        return hit_sources(st.load, self.lookup_view, self.model_groups, builder, stores.is_storing)
 
     @property
     def num_requests(self) -> int:
@@ -425,15 +397,3 @@ class ConnectorScheduler:
             st = RequestState(hasher=hasher, table=GroupBlockTable(self.model_groups.num_groups))
             self._requests[req_id] = st
         return st
-
-
-def _split(total: int, weights: Sequence[int]) -> dict[int, int]:
-    """``total`` split in proportion to ``weights`` (largest remainders), summing exactly."""
-    weight = sum(weights)
-    if weight == 0:
-        return {0: total}
-    shares = [total * w // weight for w in weights]
-    by_remainder = sorted(range(len(weights)), key=lambda i: -(total * weights[i] % weight))
-    for i in by_remainder[: total - sum(shares)]:
-        shares[i] += 1
-    return {i: share for i, share in enumerate(shares) if share}

@@ -12,7 +12,8 @@ that cannot be queued is dropped and reported. With ``EvictionOrder.CHAIN`` each
 request's blocks are touched in the tiers, last block first, whenever some were
 stored or loaded (``connector.recency``). With ``Admission.REUSED`` the blocks
 the scheduler admits are sent on from the first tier to the slower ones
-(``admit``), once their store, if still running, is done.
+(``admit``), once their store, if still running, is done
+(``connector.worker_admission``).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from hybridkv.connector.metadata import (
     LoadOutcome,
     LoadPlan,
     LoadResult,
-    RankReport,
     StorePlan,
     TierChange,
     WorkerReport,
 )
 from hybridkv.connector.recency import ChainRecency, EvictionOrder
+from hybridkv.connector.report import ReportBuilder
 from hybridkv.connector.stats import WorkerStats
+from hybridkv.connector.worker_admission import WorkerAdmission
 from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace
 from hybridkv.layout import CanonicalKVCaches, canonicalize
@@ -109,9 +111,8 @@ class ConnectorWorker:
         self._job_stores: dict[JobId, tuple[_Part, ...]] = {}
         self._storing: Counter[StoreKey] = Counter()
         """Keys of store jobs in flight (a load of them waits)."""
-        self._admit_when_stored: dict[StoreKey, int] = {}
-        """Keys admitted while their store was in flight -> their bytes."""
-        self._report = _ReportBuilder(tp_rank)
+        self._admission = WorkerAdmission(model_groups, self.keys, store)
+        self._report = ReportBuilder(tp_rank)
         block_sizes = [group.block_size for group in model_groups.groups]
         self.chains = ChainRecency(block_sizes) if eviction_order is EvictionOrder.CHAIN else None
         """Per request, the blocks to touch in chain order (None: plain recency)."""
@@ -179,18 +180,7 @@ class ConnectorWorker:
     def admit(self, refs: Sequence[BlockRef]) -> None:
         """Send these stored blocks on to the slower tiers (``Admission.REUSED``): now,
         or those still being stored once their store is done."""
-        keys: list[StoreKey] = []
-        sizes: list[int] = []
-        for group_id, block_hash in refs:
-            key = self.keys.key(group_id, block_hash)
-            size = self.model_groups.groups[group_id].block_bytes
-            if key in self._storing:
-                self._admit_when_stored[key] = size
-            else:
-                keys.append(key)
-                sizes.append(size)
-        if keys:
-            self.store.admit_many(keys, sizes)
+        self._admission.admit(refs, self._storing)
 
     def finish_requests(self, req_ids: frozenset[str] | set[str]) -> None:
         """The engine finished these requests (their stores still run to the end)."""
@@ -249,7 +239,7 @@ class ConnectorWorker:
             k for parts in self._job_stores.values() for p in parts for k in p.part.keys
         )
         assert storing == +self._storing, "in-flight store keys out of sync"
-        assert self._admit_when_stored.keys() <= self._storing.keys(), "admission left waiting"
+        self._admission.check_integrity(self._storing)
         if self.chains is not None:
             self.chains.check_integrity()
 
@@ -340,15 +330,7 @@ class ConnectorWorker:
             self._report.stored += stored
             self._report.dropped += failed
         self._storing = +self._storing  # drop zero counts
-        self._admit_stored([key for p in parts for key in p.part.keys])
-
-    def _admit_stored(self, keys: Sequence[StoreKey]) -> None:
-        """Admissions that waited for these keys' stores (unless another still runs)."""
-        waited = [k for k in keys if k in self._admit_when_stored and k not in self._storing]
-        ready = list(dict.fromkeys(waited))
-        if ready:
-            sizes = [self._admit_when_stored.pop(key) for key in ready]
-            self.store.admit_many(ready, sizes)
+        self._admission.stored([key for p in parts for key in p.part.keys], self._storing)
 
     def _on_load_result(self, load: _Load, part: _Part, result: JobResult) -> None:
         load.jobs.discard(result.job_id)
@@ -398,28 +380,3 @@ class ConnectorWorker:
 def _refs_of(p: _Part, block_ids: Mapping[int, Sequence[int]]) -> tuple[BlockRef, ...]:
     wanted = set(block_ids.get(p.part.group_id, ()))
     return tuple(ref for ref, b in zip(p.refs, p.part.block_ids, strict=True) if b in wanted)
-
-
-@dataclass
-class _ReportBuilder:
-    """What this rank finished since its last report."""
-
-    tp_rank: int
-    finished_loads: list[LoadResult] = field(default_factory=list)
-    stored: list[BlockRef] = field(default_factory=list)
-    missing: list[BlockRef] = field(default_factory=list)
-    dropped: list[BlockRef] = field(default_factory=list)
-    tier_changes: list[TierChange] = field(default_factory=list)
-
-    def take(self) -> RankReport:
-        report = RankReport(
-            tp_rank=self.tp_rank,
-            finished_loads=tuple(self.finished_loads),
-            stored=tuple(self.stored),
-            missing=tuple(self.missing),
-            dropped=tuple(self.dropped),
-            tier_changes=tuple(self.tier_changes),
-        )
-        self.finished_loads, self.stored, self.missing, self.dropped = [], [], [], []
-        self.tier_changes = []
-        return report
