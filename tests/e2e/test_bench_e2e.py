@@ -12,6 +12,9 @@
 * ``route``: two engine processes on a small Valkey pool, each with a CPU tier
   smaller than the workload; the router by hits (lookups over the pool and the
   engines' KV events) against round-robin.
+* ``mixed``: shared prompts, documents, conversations and one-off prompts, one
+  at a time in a seeded order, through CPU and disk tiers smaller than them,
+  LRU everything against the reuse policies: outputs equal the engine alone's.
 
 Each run is a ``hybridkv bench`` subprocess writing ``--json``; the tests read it.
 """
@@ -172,6 +175,28 @@ def test_routing_by_hits_beats_round_robin_and_predicts_the_engines_hits(
     assert all(r["predicted"] == -1 for r in rr["records"])
     (ratio,) = [t for t in document["targets"] if t["name"].startswith("router hit tokens")]
     assert ratio["value"] == pytest.approx(hits["hit_tokens"] / rr["hit_tokens"])
+
+
+def test_mixed_workload_compares_the_reuse_policies_with_lru(harness: Harness) -> None:
+    params = {"document_tokens": 320, "question_tokens": 16, "one_offs": 3,
+              "kv_cache_mib": 1, "cpu_tier_mib": 1, "disk_tier_mib": 2}  # fmt: skip
+    args = [a for name, value in params.items() for a in ("--param", f"{name}={value}")]
+    document = bench(harness, "mixed", "mixed", *args)
+    found = summaries(document)
+    # 2 conversations x 4 turns, 2 system prompts x 4, 3 documents x 2, 4 x 3 one-offs
+    requests = 8 + 8 + 6 + 12
+    alone, lru, reuse = (found[(s, "run")] for s in ("alone", "cpu+disk-lru", "cpu+disk-reuse"))
+    for summary in (lru, reuse):
+        assert summary["requests"] == requests
+        assert summary["outputs"] == {
+            "match": requests, "near_tie": 0, "differ": 0, "not_compared": 0
+        }  # fmt: skip
+        assert summary["recomputed_tokens"] < alone["recomputed_tokens"]
+    # In the schedule's order: a conversation's turn comes after its previous turn.
+    sent = records(document, "cpu+disk-reuse", "run")
+    assert [r["index"] for r in sent if r["client"] == 0] == [0, 1, 2, 3]
+    (ratio,) = [t for t in document["targets"] if "reuse / cpu+disk-lru" in t["name"]]
+    assert ratio["value"] == pytest.approx(reuse["cached_tokens"] / lru["cached_tokens"])
 
 
 def test_work_dir_holds_the_engine_logs(harness: Harness) -> None:

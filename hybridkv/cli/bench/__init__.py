@@ -45,6 +45,7 @@ DEFAULT_SETUPS = {
     WorkloadKind.MULTI_TURN: "alone,cpu,cpu+disk",
     WorkloadKind.RESTART: "alone,cpu,cpu+disk",
     WorkloadKind.SHARED: "alone,mooncake,valkey",
+    WorkloadKind.MIXED: "alone,cpu+disk-lru,cpu+disk-reuse",
 }
 
 

@@ -19,11 +19,11 @@ from typing import Any, Protocol
 
 from hybridkv.cli.bench import counters
 from hybridkv.cli.bench.offline import EngineLaunch, OfflineEngine
-from hybridkv.cli.bench.replay import Record
+from hybridkv.cli.bench.replay import ClientRun, Record
 from hybridkv.cli.bench.report import Phase
 from hybridkv.cli.bench.server import ServerEngine
 from hybridkv.cli.bench.setups import Setup, pool_for, tiers_for, transfer_config
-from hybridkv.cli.bench.workloads import Client, Workload, WorkloadKind
+from hybridkv.cli.bench.workloads import Client, Request, Workload, WorkloadKind
 from hybridkv.connector.config import DISK_SUBDIR
 
 RESTART_PHASES = ("cold", "engine-cache", "tiers", "restarted")
@@ -93,8 +93,10 @@ def run_setup(setup: Setup, ctx: BenchContext) -> SetupRun:
             shutil.rmtree(ctx.work_dir / DISK_SUBDIR, ignore_errors=True)
     result = SetupRun(setup=setup.value)
     with pool_for(setup, ctx.work_dir / f"{setup.value}-pool") as pool:
-        cpu_bytes = ctx.workload.params.cpu_tier_mib << 20
-        tiers = tiers_for(setup, disk_dir, pool, cpu_bytes)
+        params = ctx.workload.params
+        tiers = tiers_for(
+            setup, disk_dir, pool, params.cpu_tier_mib << 20, params.disk_tier_mib << 20
+        )
         transfer = transfer_config(setup, tiers, ctx.work_dir)
         runner = _SetupRunner(setup, ctx, transfer, result)
         kind = ctx.workload.kind
@@ -102,6 +104,8 @@ def run_setup(setup: Setup, ctx: BenchContext) -> SetupRun:
             runner.restart()
         elif kind is WorkloadKind.SHARED:
             runner.shared()
+        elif ctx.workload.schedule:
+            runner.in_order()
         else:
             runner.together()
     return result
@@ -164,6 +168,34 @@ class _SetupRunner:
         engine = self.start()
         try:
             self.result.phases.append(self.replay(engine, self._clients(), "run"))
+        finally:
+            engine.close()
+
+    def in_order(self) -> None:
+        """One request at a time, in the workload's ``schedule`` (each names a client,
+        whose next request it sends, its history first), as one phase."""
+        engine = self.start()
+        try:
+            workload = self.ctx.workload
+            label = f"{self.setup.value} run"
+            on_done = self.ctx.progress.replaying(label, workload.num_requests)
+            runs = [ClientRun(c, client, 0.0) for c, client in enumerate(workload.clients)]
+            before = engine.counters()
+            begin = time.perf_counter()
+            records: list[Record] = []
+            for c in workload.schedule:
+                index, request, prompt = runs[c].next_request()
+                single = Request(prefix=tuple(prompt), question=(), max_tokens=request.max_tokens)
+                (record,) = engine.replay([(c, Client(requests=(single,)))], "run", on_done)
+                record.index, record.setup = index, self.setup.value
+                records.append(record)
+                runs[c].finish(prompt, record.output_token_ids, time.perf_counter())
+            wall = time.perf_counter() - begin
+            self.ctx.progress.replayed(label)
+            delta = counters.delta(before, engine.counters())
+            phase = Phase(setup=self.setup.value, name="run", records=records, counters=delta,
+                          wall_s=wall)  # fmt: skip
+            self.result.phases.append(phase)
         finally:
             engine.close()
 

@@ -31,6 +31,13 @@ class Setup(enum.Enum):
     """The CPU tier with plain recency (``eviction_order: lru``): what chain-aware
     eviction, every other setup's, is measured against."""
     CPU_DISK = "cpu+disk"
+    CPU_DISK_LRU = "cpu+disk-lru"
+    """CPU and disk tiers of ``cpu_tier_mib`` and ``disk_tier_mib``, LRU everything
+    (``eviction_order: lru``, ``admission: all``): what the reuse policies are
+    measured against."""
+    CPU_DISK_REUSE = "cpu+disk-reuse"
+    """The same tiers with chain-aware order, the CPU tier's ``second_chance`` and
+    ``admission: reused``."""
     MOONCAKE = "mooncake"
     """CPU memory in front of a Mooncake pool."""
     VALKEY = "valkey"
@@ -54,16 +61,24 @@ def parse_setups(text: str) -> list[Setup]:
 
 
 def tiers_for(
-    setup: Setup, disk_dir: Path, pool: LocalPool | None, cpu_bytes: int | str = CPU_TIER_BYTES
+    setup: Setup,
+    disk_dir: Path,
+    pool: LocalPool | None,
+    cpu_bytes: int | str = CPU_TIER_BYTES,
+    disk_bytes: int | str = DISK_TIER_BYTES,
 ) -> list[dict[str, Any]]:
-    """The ``tiers`` of ``setup`` (empty for the engine alone and the default)."""
-    cpu = {"kind": "cpu", "capacity_bytes": cpu_bytes}
+    """The ``tiers`` of ``setup`` (empty for the engine alone and the default); the
+    eviction setups' disk tier is ``disk_bytes``."""
+    cpu: dict[str, Any] = {"kind": "cpu", "capacity_bytes": cpu_bytes}
     if setup in (Setup.ALONE, Setup.DEFAULT):
         return []
     if setup in (Setup.CPU, Setup.CPU_LRU):
         return [cpu]
     if setup is Setup.CPU_DISK:
         return [cpu, {"kind": "disk", "path": str(disk_dir), "capacity_bytes": DISK_TIER_BYTES}]
+    if setup in (Setup.CPU_DISK_LRU, Setup.CPU_DISK_REUSE):
+        cpu["second_chance"] = setup is Setup.CPU_DISK_REUSE
+        return [cpu, {"kind": "disk", "path": str(disk_dir), "capacity_bytes": disk_bytes}]
     assert pool is not None, f"setup {setup.value} needs a pool"
     kind = "mooncake" if setup is Setup.MOONCAKE else "valkey"
     return [cpu, *(t for t in pool.tier_configs() if t["kind"] == kind)]
@@ -76,8 +91,10 @@ def transfer_config(
     if setup is Setup.ALONE:
         return None
     extra: dict[str, Any] = {"tiers": list(tiers)} if tiers else {"cache_dir": str(cache_dir)}
-    if setup is Setup.CPU_LRU:
+    if setup in (Setup.CPU_LRU, Setup.CPU_DISK_LRU):
         extra["eviction_order"] = "lru"
+    if setup is Setup.CPU_DISK_REUSE:
+        extra["admission"] = "reused"
     return {
         "kv_connector": "HybridKVConnector",
         "kv_connector_module_path": "hybridkv.vllm",

@@ -132,24 +132,27 @@ def _repeat_hit_rate(summary: Summary) -> float:
 
 
 CHAIN_OVER_LRU = 1.3
-"""Cached tokens of chain-aware eviction over plain recency's, where it matters."""
+"""Cached tokens of an eviction policy over plain recency's, where it matters."""
 
 
 def eviction_targets(summaries: Sequence[Summary]) -> list[Target]:
-    """Chain-aware eviction (``cpu``) against plain recency (``cpu-lru``), per phase."""
+    """Per phase: chain-aware eviction (``cpu``) against plain recency (``cpu-lru``), and
+    the reuse policies (``cpu+disk-reuse``) against LRU everything (``cpu+disk-lru``)."""
     found = []
-    for chain in summaries:
-        lru = _find(summaries, "cpu-lru", chain.phase)
-        if chain.setup != "cpu" or lru is None:
-            continue
-        found.append(
-            Target(
-                name=f"cpu ({chain.phase}): cached tokens, chain eviction / lru's",
-                value=_ratio(chain.cached_tokens, lru.cached_tokens),
-                limit=CHAIN_OVER_LRU,
-                at_most=False,
+    pairs = (("cpu", "cpu-lru", "chain eviction"), ("cpu+disk-reuse", "cpu+disk-lru", "reuse"))
+    for setup, baseline, what in pairs:
+        for ours in summaries:
+            theirs = _find(summaries, baseline, ours.phase)
+            if ours.setup != setup or theirs is None:
+                continue
+            found.append(
+                Target(
+                    name=f"{setup} ({ours.phase}): cached tokens, {what} / {baseline}'s",
+                    value=_ratio(ours.cached_tokens, theirs.cached_tokens),
+                    limit=CHAIN_OVER_LRU,
+                    at_most=False,
+                )
             )
-        )
     return found
 
 

@@ -39,6 +39,7 @@ class WorkloadKind(enum.Enum):
     RESTART = "restart"
     SHARED = "shared"
     ROUTE = "route"
+    MIXED = "mixed"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +85,12 @@ class WorkloadParams:
     """Each engine's CPU tier, MiB (every setup with one)."""
     pool_mib: int = 2048
     """route: the shared pool's memory (valkey-server ``maxmemory``), MiB."""
+    disk_tier_mib: int = 16384
+    """Each engine's disk tier, MiB (the setups that compare eviction policies)."""
+    system_prompts: int = 2
+    """mixed: system prompts, each sent with a new user question every round."""
+    one_offs: int = 2
+    """mixed: prompts of ``document_tokens`` sent once, per round."""
 
     def replace(self, overrides: dict[str, str]) -> WorkloadParams:
         """These params with ``name=value`` strings applied (ValueError names bad ones)."""
@@ -107,7 +114,7 @@ class WorkloadParams:
             for name in (
                 "documents", "document_tokens", "questions", "question_tokens",
                 "answer_tokens", "clients", "rounds", "kv_cache_mib", "max_num_batched_tokens",
-                "cpu_tier_mib", "pool_mib",
+                "cpu_tier_mib", "pool_mib", "disk_tier_mib", "system_prompts",
             )
             if getattr(self, name) < 1
         ]  # fmt: skip
@@ -147,6 +154,24 @@ PRESETS: dict[WorkloadKind, WorkloadParams] = {
         kv_cache_mib=24,
         cpu_tier_mib=64,
         pool_mib=32,
+    ),
+    # Shared prompts, documents asked again, conversations and one-off prompts: about
+    # 9000 distinct tokens, 3.3 times the 16 MiB CPU and 32 MiB disk tiers on Gemma 3
+    # 270M (18 KiB a token, all layers).
+    WorkloadKind.MIXED: WorkloadParams(
+        clients=2,
+        rounds=4,
+        documents=3,
+        document_tokens=512,
+        questions=2,
+        question_tokens=32,
+        answer_tokens=8,
+        think_s=0.0,
+        system_prompts=2,
+        one_offs=3,
+        kv_cache_mib=16,
+        cpu_tier_mib=16,
+        disk_tier_mib=32,
     ),
 }
 """Presets that finish in a few minutes per setup on 2 cores with Gemma 3 270M's shape."""
@@ -217,6 +242,8 @@ def build_workload(kind: WorkloadKind, params: WorkloadParams, vocab_size: int) 
 
     if kind is WorkloadKind.ROUTE:
         return _route_workload(params, tokens, rng)
+    if kind is WorkloadKind.MIXED:
+        return _mixed_workload(params, tokens, rng)
     if kind is WorkloadKind.MULTI_TURN:
         clients = tuple(
             Client(
@@ -295,3 +322,53 @@ def _route_workload(
         kind=WorkloadKind.ROUTE, params=params, clients=clients, engines=2,
         schedule=tuple(schedule),
     )  # fmt: skip
+
+
+def _mixed_workload(
+    params: WorkloadParams, tokens: Callable[[int], tuple[int, ...]], rng: random.Random
+) -> Workload:
+    """One engine; in each of ``rounds`` rounds, in a seeded order: every system prompt
+    with a new question, a question on ``documents`` in turn (each asked ``questions``
+    times over the run), a turn of each of ``clients`` conversations (the history
+    resent) and ``one_offs`` prompts never seen again."""
+
+    def request(prefix: tuple[int, ...], with_history: bool = False) -> Request:
+        question = tokens(params.question_tokens)
+        return Request(
+            prefix=prefix, question=question, max_tokens=params.answer_tokens,
+            with_history=with_history,
+        )  # fmt: skip
+
+    half = max(1, params.document_tokens // 2)
+    systems = [tokens(half) for _ in range(params.system_prompts)]
+    documents = [tokens(params.document_tokens) for _ in range(params.documents)]
+    asked = [d for d in range(params.documents) for _ in range(params.questions)]
+    conversations = [
+        Client(
+            requests=tuple(
+                request(tokens(half) if r == 0 else (), r > 0) for r in range(params.rounds)
+            )
+        )
+        for _ in range(params.clients)
+    ]
+    shared = [
+        Client(requests=tuple(request(system) for _ in range(params.rounds))) for system in systems
+    ]
+    docs = Client(requests=tuple(request(documents[d]) for d in asked))
+    one_offs = Client(
+        requests=tuple(
+            request(tokens(params.document_tokens)) for _ in range(params.rounds * params.one_offs)
+        )
+    )
+    clients = (*conversations, *shared, docs, one_offs)
+    schedule: list[int] = []
+    per_round = -(-len(asked) // params.rounds)
+    for r in range(params.rounds):
+        batch = list(range(len(conversations) + len(shared)))
+        batch += [len(clients) - 2] * len(asked[r * per_round : (r + 1) * per_round])
+        batch += [len(clients) - 1] * params.one_offs
+        rng.shuffle(batch)
+        schedule += batch
+    return Workload(
+        kind=WorkloadKind.MIXED, params=params, clients=clients, schedule=tuple(schedule)
+    )

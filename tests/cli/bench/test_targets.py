@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridkv.cli.bench.report import Summary
-from hybridkv.cli.bench.targets import output_targets, targets
+from hybridkv.cli.bench.targets import eviction_targets, output_targets, targets
 from hybridkv.cli.bench.workloads import WorkloadKind
 
 
@@ -74,3 +74,18 @@ def test_outputs_target_counts_differences_per_setup() -> None:
     assert found["cpu: outputs differing from the engine alone's"].met
     assert found["disk: outputs differing from the engine alone's"].value == 2.0
     assert len(found) == 2
+
+
+def test_eviction_targets_pair_each_policy_with_its_lru_per_phase() -> None:
+    found = by_name(eviction_targets([
+        summary("cpu", "run", 1, cached_tokens=260),
+        summary("cpu-lru", "run", 1, cached_tokens=200),
+        summary("cpu+disk-reuse", "run", 1, cached_tokens=500),
+        summary("cpu+disk-lru", "run", 1, cached_tokens=400),
+        summary("cpu+disk-reuse", "other", 1, cached_tokens=9),
+    ]))  # fmt: skip
+    chain = found["cpu (run): cached tokens, chain eviction / cpu-lru's"]
+    reuse = found["cpu+disk-reuse (run): cached tokens, reuse / cpu+disk-lru's"]
+    assert (chain.value, chain.met) == (1.3, True)
+    assert (reuse.value, reuse.met) == (1.25, False)
+    assert len(found) == 2, "a phase without its lru run has no target"

@@ -85,3 +85,26 @@ def test_params_are_checked_and_overrides_typed() -> None:
         params.replace({"rounds": "0"})
     with pytest.raises(ValueError, match="order"):
         params.replace({"order": "sorted"})
+
+
+def test_mixed_sends_every_class_in_a_seeded_order_one_client_turn_at_a_time() -> None:
+    params = PRESETS[WorkloadKind.MIXED].replace({"document_tokens": "64", "rounds": "3"})
+    workload = build_workload(WorkloadKind.MIXED, params, VOCAB)
+    assert workload == build_workload(WorkloadKind.MIXED, params, VOCAB)
+    *conversations, system0, system1, docs, one_offs = workload.clients
+    assert len(conversations) == params.clients
+    for conversation in conversations:  # the history resent from the second turn on
+        assert [r.with_history for r in conversation.requests] == [False, True, True]
+    for system in (system0, system1):  # one prefix, a new question each round
+        assert len({r.prefix for r in system.requests}) == 1 and len(system.requests) == 3
+        assert len({r.question for r in system.requests}) == 3
+    asked = [r.prefix for r in docs.requests]
+    assert len(set(asked)) == params.documents
+    assert all(asked.count(d) == params.questions for d in set(asked))
+    assert len({r.prefix for r in one_offs.requests}) == 3 * params.one_offs
+    # The schedule names each client once per request it sends.
+    assert sorted(workload.schedule) == sorted(
+        c for c, client in enumerate(workload.clients) for _ in client.requests
+    )
+    first_round = workload.schedule[: len(workload.schedule) // 3]
+    assert set(range(len(conversations) + 2)) <= set(first_round)
