@@ -19,6 +19,10 @@ seeded generator, so every run of a preset sends the same tokens.
   own) and D documents asked Q times each, their requests one at a time in a
   seeded random order (``schedule``), for a router to send to one of two
   engines.
+* ``mixed``: one engine; R rounds, each of every system prompt with a new
+  question, questions on D documents in turn, a turn of each of C
+  conversations and a few one-off prompts, one at a time in a seeded order
+  (``schedule``): what eviction and admission policies are compared on.
 """
 
 from __future__ import annotations
