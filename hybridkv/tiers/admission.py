@@ -2,10 +2,11 @@
 
 Any process; plain data. A ``TieredStore`` stores every block in its first
 tier (CPU memory). With ``Admission.ALL`` it also writes every one to each
-slower tier (disk, pool); with ``Admission.REUSED`` a block goes on only once
-someone admits it (``TieredStore.admit_many``: the connector's scheduler
-decides, ``connector.admission``), and one never admitted lives in the first
-tier only, until evicted there.
+slower tier (disk, pool); with ``Admission.REUSED`` a block goes on while
+the slower tiers have free room (``tiers.tiered.room``), and once they are
+full only when someone admits it (``TieredStore.admit_many``: the
+connector's scheduler decides, ``connector.admission``); one never admitted
+then lives in the first tier only, until evicted there.
 """
 
 from __future__ import annotations
@@ -17,4 +18,4 @@ class Admission(enum.Enum):
     ALL = "all"
     """Every stored block is written to every slower tier (LRU everywhere)."""
     REUSED = "reused"
-    """A slower tier receives a block only once it is likely to be read again."""
+    """A full slower tier receives a block only once it is likely to be read again."""

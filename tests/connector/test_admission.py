@@ -1,6 +1,7 @@
-"""``admission``: with ``reused`` the disk tier receives a prefix only once two requests
-reached it (or one loaded it), every group's blocks together; with ``all`` every store.
-Real scheduler, worker, CPU and disk tiers."""
+"""``admission``: with ``reused`` a full disk tier receives a prefix only once two
+requests reached it (or one loaded it), every group's blocks together; with ``all``
+every store. Real scheduler, worker, CPU and disk tiers; the disk is filled first
+(``fill_disk``), as while it has room ``reused`` sends every store on."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tests.support.connector import (
     close_engine,
     disk_config,
     disk_tier,
+    fill_disk,
     make_config,
     make_engine,
     prompt,
@@ -44,6 +46,13 @@ KIND_IDS = ["full", "sliding+full", "mamba+full"]
 
 def with_suffix(seed: int, num_tokens: int = CHUNK) -> list[int]:
     return PREFIX + prompt(num_tokens, seed=seed)
+
+
+def full_disk_config(tmp_path: Path, **extra: Any) -> ConnectorConfig:
+    """Tiers of ``make_config`` with a 1 MiB disk of one segment, already full."""
+    config = make_config(tmp_path, disk_capacity_bytes="1MiB", **extra)
+    fill_disk(config)
+    return config
 
 
 def run(engine: SimEngine, req_id: str, tokens: list[int]) -> int:
@@ -88,7 +97,7 @@ def full_keys(model_groups: ModelGroups, tokens: list[int], blocks: range) -> li
 @pytest.mark.parametrize("admission", ["all", "reused"])
 def test_a_prompt_seen_once_reaches_disk_only_with_all(tmp_path: Path, admission: str) -> None:
     model_groups = make_groups((SW, FULL), block_size=BLOCK_SIZE)
-    config = make_config(tmp_path, admission=admission)
+    config = full_disk_config(tmp_path, admission=admission)
     engine = make_engine(model_groups, config)
     tokens = with_suffix(seed=1)
     assert run(engine, "once", tokens) == 0
@@ -109,7 +118,7 @@ def test_a_loaded_prefix_is_admitted_with_every_group(
 ) -> None:
     """With one hash remembered, only the load tells that the prefix is reused."""
     model_groups = make_groups(kinds, block_size=BLOCK_SIZE)
-    config = make_config(tmp_path, admission="reused", admission_seen_hashes=seen_hashes)
+    config = full_disk_config(tmp_path, admission="reused", admission_seen_hashes=seen_hashes)
     engine = make_engine(model_groups, config)
     a, b = with_suffix(seed=1), with_suffix(seed=2)
     assert run(engine, "a", a) == 0
@@ -132,7 +141,7 @@ def test_a_prefix_computed_twice_is_admitted_once_its_store_ends(
     """The second request recomputes the prefix (gone from the cpu tier): its own stores
     are admitted, after they end."""
     model_groups = make_groups(kinds, block_size=BLOCK_SIZE)
-    config = make_config(tmp_path, admission="reused")
+    config = full_disk_config(tmp_path, admission="reused")
     engine = make_engine(model_groups, config)
     assert run(engine, "a", with_suffix(seed=1)) == 0
     prefix_keys = stored_keys(model_groups, engine, PREFIX)
@@ -159,7 +168,9 @@ def small_tiers(tmp_path: Path, model_groups: ModelGroups, admission: str) -> Co
             "num_io_threads": 1,
         },
     ]
-    return make_config(tmp_path, tiers=tiers, admission=admission)
+    config = make_config(tmp_path, tiers=tiers, admission=admission)
+    fill_disk(config)
+    return config
 
 
 @pytest.mark.parametrize("admission", ["all", "reused"])
@@ -214,7 +225,7 @@ class GatedStores(GatedTier):
 
 def test_blocks_admitted_while_their_store_runs_go_on_once_it_ends(tmp_path: Path) -> None:
     model_groups = make_groups((SW, FULL), block_size=BLOCK_SIZE)
-    config = make_config(tmp_path, admission="reused")
+    config = full_disk_config(tmp_path, admission="reused")
     first = GatedStores(CpuTier(CpuConfig(capacity_bytes=8 << 20, pin_memory=False)))
     first.release()
     store = TieredStore(
@@ -236,3 +247,20 @@ def test_blocks_admitted_while_their_store_runs_go_on_once_it_ends(tmp_path: Pat
     assert store.flush(30)
     assert on_disk(config, prefix_keys) == [True] * len(prefix_keys)
     close_engine(engine)
+
+
+def test_reused_sends_every_store_on_while_the_disk_has_room(tmp_path: Path) -> None:
+    """A prompt seen once reaches a disk with room, and a restarted engine hits it."""
+    model_groups = make_groups((MAMBA, FULL), block_size=BLOCK_SIZE)
+    config = make_config(tmp_path, admission="reused")
+    engine = make_engine(model_groups, config)
+    tokens = with_suffix(seed=1)
+    assert run(engine, "once", tokens) == 0
+    stored = stored_keys(model_groups, engine, tokens)
+    assert on_disk(config, stored) == [True] * len(stored)
+    disk_stats = engine.worker.store.stats_by_tier()["disk"]
+    assert (disk_stats.admitted, disk_stats.rejected) == (len(stored), 0)
+    close_engine(engine)
+    restarted = make_engine(model_groups, config)
+    assert run(restarted, "again", tokens) == len(tokens) - CHUNK  # the last aligned state
+    close_engine(restarted)

@@ -2,8 +2,9 @@
 
 Worker process. ``Admitting`` is the part of ``TieredStore`` that sends stored
 blocks past the first tier and counts them per slower tier: every store with
-``Admission.ALL``, only what ``admit_many`` names with ``Admission.REUSED``
-(``tiers.admission``). Blocks in the first tier's memory go on borrowed, not
+``Admission.ALL``; with ``Admission.REUSED`` what ``admit_many`` names, and
+every store while the slower tiers still have room for it (``tiers.admission``,
+``tiers.tiered.room``). Blocks in the first tier's memory go on borrowed, not
 copied (``tiers.tiered.in_place``); without that memory they are read out first.
 """
 
@@ -17,6 +18,7 @@ import numpy as np
 from hybridkv.tiers.base import Buffer, GetStatus, StoreKey, Tier, TierMemory, TierStats
 from hybridkv.tiers.tiered.guard import TierGuard
 from hybridkv.tiers.tiered.in_place import StoreMemory
+from hybridkv.tiers.tiered.room import SlowerRoom
 from hybridkv.tiers.tiered.write_back import WriteBack
 
 
@@ -30,6 +32,8 @@ class Admitting:
     tiers: tuple[Tier, ...]
     _sends_all: bool
     """Every store goes on to the slower tiers (else only what is admitted)."""
+    _room: SlowerRoom
+    """Where not every store goes on: whether the slower tiers still have free room."""
     _memory: StoreMemory | None
     _first_memory: TierMemory | None
     _write_back: WriteBack | None
@@ -77,11 +81,16 @@ class Admitting:
             self._stats.put_bytes += sum(len(view) for view in views)
         if len(self.tiers) == 1:
             return
-        if not self._sends_all:
+        if self._sends_all:
+            self._count_sent_on(len(keys), 0)
+            self._send_borrowed(keys, views)
+        elif self._room.take(sum(len(view) for view in views)):
+            held, held_views = self._borrow_first(keys, [len(view) for view in views])
+            self._count_sent_on(len(held), len(keys) - len(held))
+            if held:
+                self._send_borrowed(held, held_views)
+        else:
             self._count_sent_on(0, len(keys))
-            return
-        self._count_sent_on(len(keys), 0)
-        self._send_borrowed(keys, views)
 
     def _send_borrowed(self, keys: list[StoreKey], views: list[Buffer]) -> None:
         """Send views of the first tier's memory on; owns one borrow of each."""

@@ -8,8 +8,9 @@ tier synchronously and reach the others through the write-back queue; a
 transfer may also store into the first tier's memory in place (``memory()``,
 ``tiers.tiered.in_place``), and what it commits is sent on the same way,
 borrowed rather than copied. With ``Admission.REUSED`` stores stop at the first
-tier, and ``admit_many`` sends on the blocks someone judged worth keeping
-(``tiers.admission``, ``tiers.tiered.admission``). A tier that raises never
+tier once the others are full, and ``admit_many`` sends on the blocks someone
+judged worth keeping (``tiers.admission``, ``tiers.tiered.admission``,
+``tiers.tiered.room``). A tier that raises never
 breaks the store: the error is logged once, counted, and answered as a miss
 (``tiers.tiered.guard``).
 """
@@ -37,6 +38,7 @@ from hybridkv.tiers.tiered.admission import Admitting
 from hybridkv.tiers.tiered.changes import ChangeLog, KeyChange
 from hybridkv.tiers.tiered.guard import TierGuard
 from hybridkv.tiers.tiered.in_place import StoreMemory
+from hybridkv.tiers.tiered.room import SlowerRoom
 from hybridkv.tiers.tiered.write_back import WriteBack, WriteBackStats
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,8 @@ class TieredStore(Admitting, Tier):
     ``write_back`` the others receive them asynchronously, without it
     synchronously. With ``promote``, a block read from another tier is copied
     into the first tier that ``accepts_promotions`` (best effort). With
-    ``Admission.REUSED`` the others receive only what ``admit_many`` names.
+    ``Admission.REUSED`` the others receive what ``admit_many`` names, and other
+    stores only while they have room (``tiers.tiered.room``).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class TieredStore(Admitting, Tier):
         self._hit_tokens = [0] * len(tiers)
         self._pending_loads = [0] * len(tiers)
         self._guard = TierGuard(name, self.tier_names, logger)
+        self._room = SlowerRoom(self.tiers, self._guard)
         self._num_admitted = 0
         self._num_rejected = 0
         self._lock = threading.Lock()
@@ -210,7 +214,8 @@ class TieredStore(Admitting, Tier):
         """
         check_batch(keys, buffers, checksums)
         first = self._put_into(0, keys, buffers, checksums)
-        if not self._sends_all:
+        room = not self._sends_all and self._room.take(sum(len(buffer) for buffer in buffers))
+        if not self._sends_all and not room:
             results = list(first)
             self._count_sent_on(0, results.count(PutStatus.OK))
         elif self._write_back is not None:

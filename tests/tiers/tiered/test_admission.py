@@ -1,5 +1,6 @@
 """TieredStore's admission over a real CpuTier and DiskTier: with ``reused`` a store
-stops at the first tier until ``admit_many`` sends it on; with ``all`` it goes on."""
+stops at the first tier once the disk is full, until ``admit_many`` sends it on;
+while the disk has room, and always with ``all``, it goes on."""
 
 from __future__ import annotations
 
@@ -26,13 +27,26 @@ def payload(k: str) -> np.ndarray:
     return np.random.default_rng(zlib.crc32(k.encode())).integers(0, 256, SIZE, dtype=np.uint8)
 
 
-def disk(path: Path) -> DiskTier:
-    return DiskTier(DiskConfig(path=path, capacity_bytes=16 << 20))
+SMALL_DISK = 64 * SIZE
+"""A disk tier of one segment: full once anything is written to it."""
 
 
-def make_store(tmp_path: Path, admission: Admission, *, write_back: bool = True) -> TieredStore:
+def disk(path: Path, capacity_bytes: int = 16 << 20) -> DiskTier:
+    return DiskTier(DiskConfig(path=path, capacity_bytes=capacity_bytes))
+
+
+def make_store(
+    tmp_path: Path, admission: Admission, *, write_back: bool = True, full: bool = True
+) -> TieredStore:
+    """A CPU tier before a disk tier; ``full``: a small disk already holding an object,
+    so it has no room left (``tiers.tiered.room``)."""
     first = CpuTier(CpuConfig(capacity_bytes=64 * SIZE, pin_memory=False))
-    return TieredStore([first, disk(tmp_path / "disk")], admission=admission, write_back=write_back)
+    second = disk(tmp_path / "disk", SMALL_DISK if full else 16 << 20)
+    if full:
+        filler = key(1000)
+        assert second.put_many([filler], [payload(filler)]) == [PutStatus.OK]
+        assert second.usage().used_bytes == second.usage().capacity_bytes
+    return TieredStore([first, second], admission=admission, write_back=write_back)
 
 
 def store_in_place(store: TieredStore, keys: list[StoreKey]) -> None:
@@ -65,7 +79,7 @@ def assert_reads_back(tier: Tier, keys: list[StoreKey]) -> None:
 
 @pytest.mark.parametrize("write_back", [True, False], ids=["write-back", "sync"])
 @pytest.mark.parametrize("store_blocks", [store_in_place, store_by_put], ids=["in-place", "put"])
-def test_a_block_stored_once_reaches_disk_only_with_all(
+def test_a_block_stored_once_reaches_a_full_disk_only_with_all(
     tmp_path: Path, store_blocks: object, write_back: bool
 ) -> None:
     keys = [key(i) for i in range(8)]
@@ -100,9 +114,10 @@ def test_admitted_blocks_go_on_from_the_first_tier(tmp_path: Path, write_back: b
 
 
 def test_admission_reads_a_first_tier_without_memory(tmp_path: Path) -> None:
-    store = TieredStore(
-        [disk(tmp_path / "near"), disk(tmp_path / "far")], admission=Admission.REUSED
-    )
+    far = disk(tmp_path / "far", SMALL_DISK)
+    filler = key(1000)
+    assert far.put_many([filler], [payload(filler)]) == [PutStatus.OK]  # no room left
+    store = TieredStore([disk(tmp_path / "near"), far], admission=Admission.REUSED)
     assert store.memory() is None
     keys = [key(i) for i in range(4)]
     store_by_put(store, keys)
@@ -122,3 +137,22 @@ def test_with_all_admit_many_has_nothing_to_do(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="4 keys but 3 sizes"):
         store.admit_many(keys, [SIZE] * 3)
     store.close()
+
+
+@pytest.mark.parametrize("write_back", [True, False], ids=["write-back", "sync"])
+@pytest.mark.parametrize("store_blocks", [store_in_place, store_by_put], ids=["in-place", "put"])
+def test_reused_sends_every_store_on_while_the_disk_has_room(
+    tmp_path: Path, store_blocks: object, write_back: bool
+) -> None:
+    keys = [key(i) for i in range(8)]
+    store = make_store(tmp_path, Admission.REUSED, write_back=write_back, full=False)
+    assert callable(store_blocks)
+    store_blocks(store, keys)
+    assert on_disk(store, keys) == [True] * 8
+    disk_stats = store.stats_by_tier()["disk"]
+    assert (disk_stats.admitted, disk_stats.rejected) == (8, 0)
+    store.check_integrity()  # the borrows taken to send them on were released
+    store.close()
+    reopened = disk(tmp_path / "disk")  # what a restarted engine finds
+    assert_reads_back(reopened, keys)
+    reopened.close()

@@ -1,0 +1,64 @@
+"""Room left in a tiered store's slower tiers: ``Admission.REUSED`` holds back only when full.
+
+Worker process, any thread. Holding a block back from a tier that still has
+free room saves nothing and loses a hit (a restarted engine finds on disk only
+what was sent there), so while every slower tier has room for a batch without
+evicting, the batch goes on whether or not it was reused. Each tier's usage
+is read at most once per ``refresh_s`` (a pool answers over the network), and
+the bytes sent since are counted against it here (a write-back queue may not
+have written them yet). A tier that cannot tell its capacity (Mooncake, a
+Valkey server without ``maxmemory``) never has room known: there only reused
+blocks go on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from hybridkv.tiers.base import Tier, TierUsage
+from hybridkv.tiers.tiered.guard import TierGuard
+
+REFRESH_S = 1.0
+"""How old a slower tier's usage may be before it is read again."""
+
+
+class SlowerRoom:
+    """Whether every tier but the first can take some bytes without evicting."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        guard: TierGuard,
+        *,
+        refresh_s: float = REFRESH_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._tiers = tuple(tiers)
+        self._guard = guard
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._free: list[int | None] = []
+        """Bytes each slower tier can still take (None: unknown), as last read, less
+        what was sent since."""
+        self._read_at: float | None = None
+        self._lock = threading.Lock()
+
+    def take(self, num_bytes: int) -> bool:
+        """True, and ``num_bytes`` counted as sent, when every slower tier has room."""
+        with self._lock:
+            now = self._clock()
+            if self._read_at is None or now - self._read_at >= self._refresh_s:
+                self._free = [self._read_free(i) for i in range(1, len(self._tiers))]
+                self._read_at = now
+            if not self._free or any(free is None or free < num_bytes for free in self._free):
+                return False
+            self._free = [None if free is None else free - num_bytes for free in self._free]
+            return True
+
+    def _read_free(self, index: int) -> int | None:
+        usage: TierUsage | None = self._guard.call(index, "usage", None, self._tiers[index].usage)
+        if usage is None or usage.capacity_bytes is None:
+            return None
+        return max(0, usage.capacity_bytes - usage.used_bytes)

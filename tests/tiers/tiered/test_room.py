@@ -1,0 +1,81 @@
+"""SlowerRoom over a real DiskTier: free room is read at most once per refresh and
+what is sent in between is counted against it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from hybridkv.tiers.base import PutStatus, StoreKey
+from hybridkv.tiers.cpu import CpuConfig, CpuTier
+from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
+from hybridkv.tiers.mooncake.config import MooncakeConfig
+from hybridkv.tiers.mooncake.tier import MooncakeTier
+from hybridkv.tiers.tiered.guard import TierGuard
+from hybridkv.tiers.tiered.room import SlowerRoom
+from hybridkv.tiers.valkey.config import ValkeyConfig
+from hybridkv.tiers.valkey.tier import ValkeyTier
+from tests.support.servers import MIB, MooncakePool, ValkeyServer
+
+CAPACITY = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def room_over_disk(tmp_path: Path, clock: Clock) -> tuple[SlowerRoom, DiskTier, CpuTier]:
+    first = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
+    second = DiskTier(DiskConfig(path=tmp_path, capacity_bytes=CAPACITY))
+    guard = TierGuard("test", ["cpu", "disk"], logging.getLogger(__name__))
+    return SlowerRoom([first, second], guard, refresh_s=1.0, clock=clock), second, first
+
+
+def test_sent_bytes_count_until_the_next_read(tmp_path: Path) -> None:
+    clock = Clock()
+    room, second, first = room_over_disk(tmp_path, clock)
+    assert room.take(CAPACITY // 2)
+    assert room.take(CAPACITY // 2)
+    assert not room.take(1)  # counted full although nothing was written yet
+    clock.now = 0.5
+    assert not room.take(1)  # not read again yet
+    clock.now = 1.0
+    assert room.take(CAPACITY)  # read again: the disk is still empty
+    key = StoreKey("test/room/0")
+    assert second.put_many([key], [np.zeros(4096, np.uint8)]) == [PutStatus.OK]
+    clock.now = 2.0
+    used = second.usage().used_bytes
+    assert 0 < used <= CAPACITY
+    assert not room.take(CAPACITY - used + 1)
+    assert room.take(CAPACITY - used)
+    second.close()
+    first.close()
+
+
+def test_a_pool_has_room_only_where_its_server_tells_its_capacity(tmp_path: Path) -> None:
+    """Valkey under ``maxmemory`` reports it; Mooncake's client cannot learn it."""
+    first = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
+    guard = TierGuard("test", ["cpu", "pool"], logging.getLogger(__name__))
+    with (
+        ValkeyServer(maxmemory_bytes=64 * MIB) as server,
+        ValkeyTier(ValkeyConfig(port=server.valkey_port)) as valkey,
+    ):
+        room = SlowerRoom([first, valkey], guard)
+        assert room.take(MIB)
+        assert not room.take(64 * MIB)  # valkey's own memory already takes some
+    with (
+        MooncakePool(segment_bytes=64 * MIB) as pool,
+        MooncakeTier(
+            MooncakeConfig(master_address=pool.master_address, local_buffer_bytes=2 * MIB)
+        ) as mooncake,
+    ):
+        assert not SlowerRoom([first, mooncake], guard).take(1)
+    only_first = SlowerRoom([first], TierGuard("test", ["cpu"], logging.getLogger(__name__)))
+    assert not only_first.take(1)  # no slower tier: nothing to send on
+    first.close()
