@@ -4,8 +4,9 @@
   tiers that hold under half of them; the second turn of the most recent
   third hits every stored block, on both model families, and its outputs
   equal the engine alone (in-process driver, ``tests.e2e``).
-* Soak: the real OpenAI server with tiers small enough to evict constantly,
-  32 client threads in multi-turn conversations for ``$HYBRIDKV_SOAK_S``
+* Soak: the real OpenAI server with tiers small enough to evict constantly
+  (once with the default policy, once with the reuse settings: ``second_chance``
+  and ``admission: reused``), 32 client threads in multi-turn conversations for ``$HYBRIDKV_SOAK_S``
   seconds (180 by default). The server's and its engine core's resident
   memory, open descriptors and the connector's scheduler-side state gauge
   (``/metrics``) are sampled; at the end the worker side is flushed and
@@ -270,13 +271,22 @@ def metrics_page(server: Server) -> str:
     return str(urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode())
 
 
+SOAK_POLICIES: dict[str, dict[str, Any]] = {
+    "default": {},
+    # The reuse settings: second chance in the cpu tier, admission of what is reused.
+    "reuse": {"admission": "reused", "cpu": {"second_chance": True}},
+}
+
+
 @pytest.mark.timeout(int(SOAK_S) + 1500)
-def test_soak_32_clients_through_the_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", list(SOAK_POLICIES))
+def test_soak_32_clients_through_the_server(tmp_path: Path, policy: str) -> None:
     model = build_tiny_model(TinyModelKind.GEMMA3, tmp_path / "models")
-    tiers = [{"kind": "cpu", "capacity_bytes": "256KiB"},
+    settings = dict(SOAK_POLICIES[policy])
+    tiers = [{"kind": "cpu", "capacity_bytes": "256KiB", **settings.pop("cpu", {})},
              {"kind": "disk", "path": str(tmp_path / "disk"), "capacity_bytes": "1MiB",
               "segment_bytes": "128KiB"}]  # fmt: skip
-    server = Server(model, tmp_path, {"tiers": tiers})
+    server = Server(model, tmp_path, {"tiers": tiers, **settings})
     samples: list[Soak] = []
     pairs: list[tuple] = []
     latencies_s: list[float] = []
@@ -313,6 +323,11 @@ def test_soak_32_clients_through_the_server(tmp_path: Path) -> None:
                     if line.startswith("hybridkv_tier_evictions_total"))  # fmt: skip
     hits = sum(float(line.split()[-1]) for line in metrics.splitlines()
                if line.startswith("vllm:external_prefix_cache_hits_total"))  # fmt: skip
+    admitted, rejected = (
+        sum(float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith(f"hybridkv_tier_{what}_blocks_total"))
+        for what in ("admitted", "rejected")
+    )  # fmt: skip
 
     reference = Server(model, tmp_path, None)
     try:
@@ -337,12 +352,14 @@ def test_soak_32_clients_through_the_server(tmp_path: Path) -> None:
     # The gauge follows the load: while 32 clients wait, the scheduler side tracks some.
     assert max(s.scheduler_requests for s in samples) > 0, series
     assert evictions > 0 and hits > 0, (evictions, hits, log[-2000:])
+    # The disk fills within seconds: from then on the reuse settings hold stores back.
+    assert admitted > 0 and (rejected > 0) == (policy == "reuse"), (admitted, rejected)
     assert mismatches == 0, f"{mismatches} of {len(pairs)} completions differ"
     assert max(fds) - fds[0] <= 8, series
     rss_growth = (max(rss) - rss[0]) / rss[0]
     assert rss_growth < RSS_TOLERANCE, f"RSS grew {rss_growth:.1%} after warm-up: {series}"
     record(
-        f"load: {NUM_CLIENTS}-client soak through the OpenAI server",
+        f"load: {NUM_CLIENTS}-client soak through the OpenAI server ({policy} policy)",
         done=f"{NUM_CLIENTS} threads in multi-turn conversations on 8 shared system prompts for "
         f"{SOAK_S:.0f} s (Gemma 3 tiny; 256 KiB cpu + 1 MiB disk tiers); every completion sent "
         "again to a server without the connector at the same concurrency",
@@ -357,6 +374,8 @@ def test_soak_32_clients_through_the_server(tmp_path: Path) -> None:
             "mismatches": mismatches,
             "evictions": int(evictions),
             "external_hit_tokens": int(hits),
+            "admitted_blocks": int(admitted),
+            "rejected_blocks": int(rejected),
         },
         outputs_identical=True,
         max_stall_s=round(max(latencies_s), 2),
