@@ -4,12 +4,15 @@ Worker process; the path ``BlockCopier`` takes for caches on CUDA (it also
 runs on CPU tensors, which is how its logic is tested without a GPU). A call
 moves the blocks of one group between the cache and rows of host memory (the
 CPU tier's own memory, or staging): per piece of at most half the chunk,
-indexed ops gather each span of the blocks into that half, laid out exactly
-as the piece of host rows it fills, and one contiguous copy moves the piece;
-a load runs the same steps backwards. So device memory taken is the chunk
-(allocated once), whatever the size of a job, and a run of adjacent host rows
-costs one copy: per-block copies of 16-64 KiB run at 0.1-0.3 of the link,
-one copy of a megabyte or more at its full speed (``docs/ARCHITECTURE.md``).
+the spans of the blocks are gathered into that half, laid out exactly as the
+piece of host rows it fills, and one contiguous copy moves the piece; a load
+runs the same steps backwards. On CUDA with Triton one kernel launch per
+piece moves every span (``span_kernel``; ``fused``), else one indexed op per
+span does (``HYBRIDKV_FUSED_COPIES=0`` picks it where the caller passes no
+``fused``). So device memory taken is the chunk (allocated once), whatever
+the size of a job, and a run of adjacent host rows costs one copy: per-block
+copies of 16-64 KiB run at 0.1-0.3 of the link, one copy of a megabyte or
+more at its full speed (``docs/ARCHITECTURE.md``).
 
 Rows are adjacent when each starts ``block_bytes`` after the previous one,
 or, when the caller says the bytes between rows are scratch (header room in
@@ -21,18 +24,19 @@ pageable memory would wait for the stream to drain, so the host could never
 run ahead of the link), and the two halves of the chunk take turns, each on
 a stream of its own (the caller's current one, the copier's stream, and a
 side stream joined back into it before the call returns), so one half's
-indexed ops run while the other half crosses the link. The caller orders
-its stream after the compute that wrote the blocks and learns completion
-from an event (``BlockCopier``). One lock keeps the ops of two calls from
-interleaving on the shared chunk.
+gather or scatter runs while the other half crosses the link. The caller
+orders its stream after the compute that wrote the blocks and learns
+completion from an event (``BlockCopier``). One lock keeps the ops of two
+calls from interleaving on the shared chunk.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -40,12 +44,17 @@ import torch
 
 from hybridkv.layout import CanonicalKVCaches
 
+if TYPE_CHECKING:
+    from hybridkv.transfer.span_kernel import SpanTable
+
 DEVICE_CHUNK_BYTES = 32 << 20
 """Default size of the one device buffer a copier allocates."""
 HALF_ALIGN_BYTES = 512
 """Each half of the chunk starts this aligned (wide integer views need it)."""
 MAX_SCRATCH_GAP_BYTES = 4096
 """Scratch between rows that a piece may copy over (staging's header room)."""
+FUSED_ENV = "HYBRIDKV_FUSED_COPIES"
+"""Set to ``0``: one indexed op per span even where the kernel could run (``fused`` unset)."""
 
 _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
 
@@ -122,7 +131,13 @@ class _Span(NamedTuple):
 class ChunkedCopies:
     """Gathers and scatters blocks of ``caches`` through one chunk on their device."""
 
-    def __init__(self, caches: CanonicalKVCaches, chunk_bytes: int = DEVICE_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        caches: CanonicalKVCaches,
+        chunk_bytes: int = DEVICE_CHUNK_BYTES,
+        *,
+        fused: bool | None = None,
+    ) -> None:
         largest = max(group.block_bytes for group in caches.model_groups.groups)
         half = max(chunk_bytes // 2, largest)
         self.half_bytes = -(-half // HALF_ALIGN_BYTES) * HALF_ALIGN_BYTES
@@ -136,6 +151,9 @@ class ChunkedCopies:
         groups = range(caches.model_groups.num_groups)
         self._spans = [self._group_spans(g) for g in groups]
         self._span_order = [caches.spans_may_share_bytes(g) for g in groups]
+        self.fused = _use_fused(self.device, fused)
+        """One kernel launch per piece (``span_kernel``) instead of one op per span."""
+        self._tables = [self._span_table(g) for g in groups] if self.fused else []
         chunk = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
         self._halves = (chunk[: self.half_bytes], chunk[self.half_bytes :])
         self._side: torch.cuda.Stream | None = None
@@ -159,11 +177,14 @@ class ChunkedCopies:
             index = turns.upload(ids)
             for k, piece in enumerate(pieces):
                 with turns.take(k) as half:
-                    rows = self._chunk_rows(half, piece, block_bytes)
                     part = index[piece.start : piece.stop]
-                    for span in self._spans[group_id]:
-                        src, dst = self._views(span, rows, piece.pitch)
-                        torch.index_select(src, 0, part, out=dst)
+                    if self.fused:
+                        self._tables[group_id].copy(part, half, piece.pitch, to_cache=False)
+                    else:
+                        rows = self._chunk_rows(half, piece, block_bytes)
+                        for span in self._spans[group_id]:
+                            src, dst = self._views(span, rows, piece.pitch)
+                            torch.index_select(src, 0, part, out=dst)
                     nbytes = piece.num_bytes(block_bytes)
                     first = int(offsets[piece.start])
                     memory[first : first + nbytes].copy_(half[:nbytes], non_blocking=True)
@@ -186,8 +207,9 @@ class ChunkedCopies:
         and a round starts only after the one before it is done on both streams."""
         block_bytes = self.caches.model_groups.groups[group_id].block_bytes
         pieces = plan_pieces(offsets, block_bytes, self.half_bytes, scratch_gaps=scratch_gaps)
-        spans = self._spans[group_id]
-        rounds = [[span] for span in spans] if self._span_order[group_id] else [spans]
+        num_spans = len(self._spans[group_id])
+        ordered = self._span_order[group_id]
+        rounds = [slice(i, i + 1) for i in range(num_spans)] if ordered else [slice(None)]
         with self._lock, _Turns(self._side, self._halves) as turns:
             index = turns.upload(ids)
             for round_spans in rounds:
@@ -197,9 +219,13 @@ class ChunkedCopies:
                         nbytes = piece.num_bytes(block_bytes)
                         first = int(offsets[piece.start])
                         half[:nbytes].copy_(memory[first : first + nbytes], non_blocking=True)
-                        rows = self._chunk_rows(half, piece, block_bytes)
                         part = index[piece.start : piece.stop]
-                        for span in round_spans:
+                        if self.fused:
+                            table = self._tables[group_id]
+                            table.copy(part, half, piece.pitch, to_cache=True, spans=round_spans)
+                            continue
+                        rows = self._chunk_rows(half, piece, block_bytes)
+                        for span in self._spans[group_id][round_spans]:
                             dst, src = self._views(span, rows, piece.pitch)
                             dst.index_copy_(0, part, src)
         return len(pieces)
@@ -230,6 +256,39 @@ class ChunkedCopies:
             wide = {dtype: raw.view(dtype) for width, dtype in _WIDTHS if bits % width == 0}
             spans.append(_Span(raw, span.object_offset_bytes, span.num_bytes, bits, wide))
         return spans
+
+    def _span_table(self, group_id: int) -> SpanTable:
+        from hybridkv.transfer.span_kernel import SpanBytes, SpanTable
+
+        spans = [
+            SpanBytes(
+                address=span.raw.data_ptr(),
+                row_stride=span.raw.stride(0) if span.raw.shape[0] > 1 else 0,
+                object_offset=span.object_offset,
+                num_bytes=span.num_bytes,
+            )
+            for span in self._spans[group_id]
+        ]
+        return SpanTable(spans, self.device)
+
+
+def _use_fused(device: torch.device, fused: bool | None) -> bool:
+    """``fused`` if given; else whether the caches are on CUDA, Triton imports and
+    ``FUSED_ENV`` is not ``0``."""
+    if fused is None:
+        setting = os.environ.get(FUSED_ENV, "1")
+        if setting not in ("0", "1"):
+            raise ValueError(f"{FUSED_ENV}={setting!r}: set it to 0 or 1, or unset it")
+        fused = None if setting == "1" else False
+    if fused is False or (fused is None and device.type != "cuda"):
+        return False
+    try:
+        import hybridkv.transfer.span_kernel  # noqa: F401
+    except ImportError:
+        if fused:
+            raise
+        return False
+    return True
 
 
 class _Turns:
