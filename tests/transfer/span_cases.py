@@ -27,6 +27,8 @@ from hybridkv.transfer.span_kernel import SpanBytes, SpanTable
 NUM_BLOCKS = 12
 Built = tuple[CanonicalKVCaches, torch.Tensor]
 """Caches, and the one buffer holding all their bytes."""
+Build = Callable[[torch.device], Built]
+CPU = torch.device("cpu")
 
 
 def group(names: tuple[str, ...], page: int, kind: GroupKind = GroupKind.FULL) -> KVGroup:
@@ -41,7 +43,7 @@ def random_bytes(nbytes: int) -> torch.Tensor:
     return torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=gen)
 
 
-def allocated(kind: KVLayoutKind) -> Callable[[], Built]:
+def allocated(kind: KVLayoutKind) -> Build:
     """vLLM's GPU layouts: LBNHC (layer-major) and BLHNC (block-major), two groups."""
     spec = ModelGroups(
         groups=(
@@ -50,20 +52,20 @@ def allocated(kind: KVLayoutKind) -> Callable[[], Built]:
         )
     )
 
-    def build() -> Built:
-        alloc = allocate_kv_caches(spec, NUM_BLOCKS, kind=kind)
+    def build(device: torch.device) -> Built:
+        alloc = allocate_kv_caches(spec, NUM_BLOCKS, kind=kind, device=device)
         alloc.buffer.copy_(random_bytes(alloc.buffer.numel()))
         return alloc.canonical, alloc.buffer
 
     return build
 
 
-def placed(places: dict[str, tuple[int, int]], page: int, nbytes: int) -> Callable[[], Built]:
+def placed(places: dict[str, tuple[int, int]], page: int, nbytes: int) -> Build:
     """One group's layers as views of one buffer: name -> (offset of block 0, stride)."""
     spec = ModelGroups(groups=(group(tuple(places), page),))
 
-    def build() -> Built:
-        buffer = random_bytes(nbytes)
+    def build(device: torch.device) -> Built:
+        buffer = random_bytes(nbytes).to(device)
         kv = {
             name: buffer.as_strided((NUM_BLOCKS, page), (stride, 1), offset)
             for name, (offset, stride) in places.items()
@@ -73,16 +75,16 @@ def placed(places: dict[str, tuple[int, int]], page: int, nbytes: int) -> Callab
     return build
 
 
-def kernel_blocks() -> Built:
+def kernel_blocks(device: torch.device) -> Built:
     """vLLM split each block into two kernel blocks: a layer's page is two spans (K, V)."""
     n, page = NUM_BLOCKS, 256
-    storage = random_bytes(2 * n * page).view(2, 2 * n, page // 2)
+    storage = random_bytes(2 * n * page).to(device).view(2, 2 * n, page // 2)
     spec = ModelGroups(groups=(group(("a.0", "a.1"), page),))
     return canonicalize({"a.0": storage[0], "a.1": storage[1]}, spec), storage
 
 
 N = NUM_BLOCKS
-CACHES: dict[str, Callable[[], Built]] = {
+CACHES: dict[str, Build] = {
     "LBNHC": allocated(KVLayoutKind.LAYER_MAJOR),
     "BLHNC": allocated(KVLayoutKind.BLOCK_MAJOR),
     "kernel_blocks": kernel_blocks,
@@ -110,11 +112,14 @@ def row_offsets(frame: str, num_rows: int, block_bytes: int) -> np.ndarray:
     return room + np.arange(num_rows, dtype=np.int64) * (block_bytes + room)
 
 
-def compare_paths(build: Callable[[], Built], frame: str, chunk_blocks: int) -> list[str]:
+def compare_paths(
+    build: Build, frame: str, chunk_blocks: int, device: torch.device = CPU
+) -> list[str]:
     """Gather and scatter through both paths; every difference, described."""
     problems = []
-    fused_caches, fused_buffer = build()
-    plain_caches, plain_buffer = build()
+    fused_caches, fused_buffer = build(device)
+    plain_caches, plain_buffer = build(device)
+    pinned = device.type == "cuda"
     groups = fused_caches.model_groups.groups
     chunk_bytes = 2 * chunk_blocks * max(g.block_bytes for g in groups)
     fused = ChunkedCopies(fused_caches, chunk_bytes, fused=True)
@@ -127,10 +132,13 @@ def compare_paths(build: Callable[[], Built], frame: str, chunk_blocks: int) -> 
         offsets = row_offsets(frame, len(ids), g.block_bytes)
         size = int(offsets.max()) + g.block_bytes + 64
         memories = [torch.full((size,), 0xA5, dtype=torch.uint8) for _ in range(2)]
+        memories = [m.pin_memory() if pinned else m for m in memories]
         pieces = [
             copies.gather(group_id, ids, memory, offsets, scratch_gaps=scratch)
             for copies, memory in zip((fused, plain), memories, strict=True)
         ]
+        if pinned:
+            torch.cuda.synchronize(device)
         if pieces[0] != pieces[1] or pieces[0] < 2:
             problems.append(f"group {group_id}: pieces {pieces}, want equal and several")
         differ = memories[0] != memories[1]
@@ -145,8 +153,11 @@ def compare_paths(build: Callable[[], Built], frame: str, chunk_blocks: int) -> 
             where = differ.nonzero()[:4].flatten().tolist()
             problems.append(f"group {group_id}: gathered bytes differ at {where}")
         source = random_bytes(size).view(torch.uint8)
+        source = source.pin_memory() if pinned else source
         fused.scatter(group_id, ids, source, offsets, scratch_gaps=scratch)
         plain.scatter(group_id, ids, source, offsets, scratch_gaps=scratch)
+        if pinned:
+            torch.cuda.synchronize(device)
         if not torch.equal(fused_buffer, plain_buffer):
             problems.append(f"group {group_id}: scattered caches differ")
     return problems

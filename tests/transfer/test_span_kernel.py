@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("triton")
 
 from hybridkv.transfer.chunked import FUSED_ENV, ChunkedCopies
-from tests.transfer.span_cases import CACHES, CASE_NAMES
+from tests.transfer.span_cases import CACHES, CASE_NAMES, CPU
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ def test_every_case_ran(report: dict[str, list[str]]) -> None:
 def test_the_kernel_needs_an_opt_in_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU tensors the default stays the per-span path (the kernel needs CUDA or the
     interpreter); a bad ``HYBRIDKV_FUSED_COPIES`` is refused by name."""
-    caches, _ = CACHES["LBNHC"]()
+    caches, _ = CACHES["LBNHC"](CPU)
     monkeypatch.delenv(FUSED_ENV, raising=False)
     assert not ChunkedCopies(caches).fused
     monkeypatch.setenv(FUSED_ENV, "yes")
