@@ -5,7 +5,12 @@ One command for a machine with one NVIDIA GPU. The limit is what contiguous
 copies of the same bytes between device memory and pinned host memory carry
 (one copy of the job, or 16 MiB copies back to back, whichever is faster),
 measured in the same run (device to host for stores, host to device for
-loads); every figure is a ratio to it:
+loads). Copies, stores, loads and the host time run both ways
+``ChunkedCopies`` can move a piece's spans: one kernel launch per piece
+(``fused``, CUDA with Triton) and one indexed op per span (``per_span``, the
+baseline), so the gain is measured in the same run (``--device cpu`` has only
+the second; the JSON keeps the first path's figures where they always were and
+the other's under its name). Every figure is a ratio to the limit:
 
 * ``copy``: ``BlockCopier`` gathers and scatters of random blocks of one
   group, into consecutive rows and into rows with 64 bytes of header room
@@ -18,7 +23,7 @@ loads); every figure is a ratio to it:
   jobs as the connector cuts them (a quarter of the staging arena at most),
   from the first submit to the last result; bytes checked after the load.
 * ``host``: how long a store call holds the calling thread while compute is
-  queued on the device (target: under 1 ms).
+  queued on the device (target: under 1 ms), each path.
 * ``device``: the device memory the copies took beyond the KV cache.
 * ``engine``: the engine-neutral connector driven like vLLM's worker over
   a simulated run (prefill of long prompts, decode of many requests, hits
@@ -35,13 +40,16 @@ runs the same code on CPU tensors (the chunked path's logic; no targets).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +66,7 @@ from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
 from hybridkv.tools.allocate import allocate_kv_caches
 from hybridkv.transfer import BlockCopier, TransferConfig, TransferEngine, TransferPart
+from hybridkv.transfer.chunked import FUSED_ENV
 from hybridkv.transfer.copier import HostRows
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -91,16 +100,34 @@ CASES = {
 }
 
 
+@contextmanager
+def copy_path(path: str) -> Iterator[None]:
+    """Copiers made inside move spans ``path``'s way: ``fused`` or ``per_span``."""
+    saved = os.environ.get(FUSED_ENV)
+    os.environ[FUSED_ENV] = "1" if path == "fused" else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[FUSED_ENV]
+        else:
+            os.environ[FUSED_ENV] = saved
+
+
 class Bench:
     def __init__(self, device: torch.device, job_bytes: int, reps: int) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        fused = self.cuda and importlib.util.find_spec("triton") is not None
+        self.paths = ["fused", "per_span"] if fused else ["per_span"]
+        """The ways to move spans measured, the default (where it runs) first."""
         self.job_bytes = job_bytes
         self.reps = reps
         self.report: dict[str, Any] = {
             "device": torch.cuda.get_device_name(device) if self.cuda else "cpu",
             "torch": torch.__version__,
             "job_MiB": job_bytes / MIB,
+            "paths": self.paths,
         }
 
     def sync(self) -> None:
@@ -168,38 +195,40 @@ class Bench:
         num_blocks = 2 * n + 1
         alloc = allocate_kv_caches(spec, num_blocks, kind=kind, device=self.device)
         alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
-        base = torch.cuda.memory_allocated(self.device) if self.cuda else 0
-        copier = BlockCopier(alloc.canonical, chunked=True)
         ids = random.Random(0).sample(range(num_blocks), n)
         stride = block_bytes + 64
         host = self.pinned((n - 1) * stride + block_bytes)
         tight = HostRows(host, np.arange(n, dtype=np.int64) * block_bytes)
         framed = HostRows(host, np.arange(n, dtype=np.int64) * stride, scratch_gaps=True)
-        check = self._check_bytes(spec, kind, alloc.buffer, ids, copier, tight)
+        row: dict[str, Any] = {"block_KiB": block_bytes >> 10, "blocks": n, "bytes_equal": True}
+        for path in self.paths:
+            base = torch.cuda.memory_allocated(self.device) if self.cuda else 0
+            with copy_path(path):
+                copier = BlockCopier(alloc.canonical, chunked=True)
+            row["bytes_equal"] &= self._check_bytes(spec, kind, alloc.buffer, ids, copier, tight)
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            times = self._copy_times(copier, ids, tight, framed)
+            peak = torch.cuda.max_memory_allocated(self.device) - base if self.cuda else 0
+            row[path] = {
+                k: self.ratio(n * block_bytes, t, "d2h" if "gather" in k else "h2d")
+                for k, t in times.items()
+            }
+            row["device_extra_MiB"] = max(row.get("device_extra_MiB", 0.0), peak / MIB)
+            row["copier_device_MiB"] = copier.device_bytes / MIB
+        return row
 
+    def _copy_times(
+        self, copier: BlockCopier, ids: list[int], tight: HostRows, framed: HostRows
+    ) -> dict[str, float]:
         def run(op: Callable[..., object], rows: HostRows) -> Callable[[], object]:
             return lambda: (op(0, ids, rows), copier.wait_done(copier.copies_mark()))
 
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        times = {
+        return {
             "gather": self.timed(run(copier.gather_at, tight)),
             "scatter": self.timed(run(copier.scatter_at, tight)),
             "gather_framed": self.timed(run(copier.gather_at, framed)),
             "scatter_framed": self.timed(run(copier.scatter_at, framed)),
-        }
-        peak = torch.cuda.max_memory_allocated(self.device) - base if self.cuda else 0
-        nbytes = n * block_bytes
-        return {
-            "block_KiB": block_bytes >> 10,
-            "blocks": n,
-            "bytes_equal": check,
-            **{
-                k: self.ratio(nbytes, t, "d2h" if "gather" in k else "h2d")
-                for k, t in times.items()
-            },
-            "device_extra_MiB": peak / MIB,
-            "copier_device_MiB": copier.device_bytes / MIB,
         }
 
     def _check_bytes(
@@ -244,16 +273,23 @@ class Bench:
             "cpu, 64 MiB chunk": ("cpu", TransferConfig(device_chunk_bytes=64 * MIB)),
         }
         for label, (tiers, config) in setups.items():
-            alloc = allocate_kv_caches(
-                spec, 2 * n + 1, kind=KVLayoutKind.LAYER_MAJOR, device=self.device
-            )
-            alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
-            store = self._store(tiers, 2 * n * block_bytes + 64 * MIB, cache_dir / label)
-            with TransferEngine(alloc.canonical, store, config) as engine:
-                rows.append(
-                    {"tiers": label, **self._job_case(engine, alloc.buffer, n, block_bytes)}
+            row: dict[str, Any] = {"tiers": label}
+            for path in self.paths:  # the default path's figures first, at the row's top
+                alloc = allocate_kv_caches(
+                    spec, 2 * n + 1, kind=KVLayoutKind.LAYER_MAJOR, device=self.device
                 )
-            store.close()
+                alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
+                path_dir = cache_dir / f"{label}-{path}"
+                store = self._store(tiers, 2 * n * block_bytes + 64 * MIB, path_dir)
+                with copy_path(path), TransferEngine(alloc.canonical, store, config) as engine:
+                    figures = self._job_case(engine, alloc.buffer, n, block_bytes)
+                store.close()
+                if path == self.paths[0]:
+                    row.update(figures)
+                else:
+                    row[path] = figures
+                del alloc
+            rows.append(row)
             print("jobs", json.dumps(rows[-1]), flush=True)
         self.report["jobs"] = rows
 
@@ -332,6 +368,19 @@ class Bench:
     # --- the host time of a store call with compute queued ---------------------------
 
     def host_time(self) -> None:
+        """The first path's figures, and each other path's under its name."""
+        host: dict[str, Any] = {}
+        for path in self.paths:
+            with copy_path(path):
+                figures = self._host_case()
+            if path == self.paths[0]:
+                host.update(figures)
+            else:
+                host[path] = figures
+        self.report["host"] = host
+        print("host", json.dumps(host), flush=True)
+
+    def _host_case(self) -> dict[str, Any]:
         spec = CASES["16 KiB pages x 13 (Gemma 3 1B-like)"]
         blocks_per_step = 4096 // spec.groups[0].block_size  # one 4096-token prefill step
         alloc = allocate_kv_caches(spec, 4 * blocks_per_step + 1, device=self.device)
@@ -353,12 +402,11 @@ class Bench:
                 assert job is not None and engine.wait([job], 60)
                 engine.poll_finished()
         store.close()
-        self.report["host"] = {
+        return {
             "blocks_per_call": blocks_per_step * spec.num_groups,
             "store_call_ms": statistics.median(calls),
             "asynchronous": self.cuda,
         }
-        print("host", json.dumps(self.report["host"]), flush=True)
 
     # --- the simulated engine ------------------------------------------------------------
 
@@ -433,28 +481,41 @@ def table(report: dict[str, Any]) -> str:
         f"{report['device']}, torch {report['torch']}, {report['job_MiB']:.0f} MiB per job",
         f"limit (pinned): {limit['d2h']:.1f} GB/s device->host, {limit['h2d']:.1f} host->device",
         "",
-        f"{'copy, ratio to the limit':40} {'layout':6} {'gather':>6} {'scatter':>7} "
-        f"{'framed':>6} {'framed':>6} {'device':>7} bytes",
+        "copies, ratio to the limit: gather, scatter, then both into framed rows; "
+        "fused kernel | one op per span",
+        f"{'':40} {'layout':6} {'gather':>6} {'scatter':>7} {'framed':>6} {'framed':>6} | "
+        f"{'gather':>6} {'scatter':>7} {'framed':>6} {'framed':>6} {'device':>7} bytes",
     ]
     for row in report.get("copy", []):
         lines.append(
-            f"{row['case']:40} {row['layout']:6} {row['gather']:6.2f} {row['scatter']:7.2f} "
-            f"{row['gather_framed']:6.2f} {row['scatter_framed']:6.2f} "
+            f"{row['case']:40} {row['layout']:6} {_ratios(row.get('fused'))} | "
+            f"{_ratios(row['per_span'])} "
             f"{row['device_extra_MiB']:3.0f} MiB {'ok' if row['bytes_equal'] else 'WRONG'}"
         )
     lines.append("")
+    first = report["paths"][0].replace("_", "-")
     for row in report.get("jobs", []):
+        others = "".join(
+            f" ({p.replace('_', '-')}: store {row[p]['store']:.2f}, load {row[p]['load']:.2f},"
+            f" submit {row[p]['submit_ms']:.2f} ms)"
+            for p in report["paths"][1:]
+        )
+        ok = row["bytes_equal"] and all(row[p]["bytes_equal"] for p in report["paths"][1:])
         lines.append(
-            f"{row['MiB']:.0f} MiB in {row['jobs']} jobs through {row['tiers']:17} "
+            f"{row['MiB']:.0f} MiB in {row['jobs']} jobs through {row['tiers']:17} {first}: "
             f"store {row['store']:.2f}, "
-            f"load {row['load']:.2f} of the limit; submit {row['submit_ms']:.2f} ms; "
-            f"{'bytes ok' if row['bytes_equal'] else 'BYTES WRONG'}"
+            f"load {row['load']:.2f} of the limit; submit {row['submit_ms']:.2f} ms{others}; "
+            f"{'bytes ok' if ok else 'BYTES WRONG'}"
         )
     if "host" in report:
         host = report["host"]
+        others = "".join(
+            f", {p.replace('_', '-')}: {host[p]['store_call_ms']:.3f} ms"
+            for p in report["paths"][1:]
+        )
         lines.append(
-            f"a store call with compute queued: {host['store_call_ms']:.3f} ms "
-            f"({host['blocks_per_call']} blocks)"
+            f"a store call with compute queued: {first}: {host['store_call_ms']:.3f} ms"
+            f"{others} ({host['blocks_per_call']} blocks)"
         )
     if "engine" in report:
         eng, ours, alone = report["engine"], report["engine"]["hybridkv"], report["engine"]["alone"]
@@ -464,6 +525,15 @@ def table(report: dict[str, Any]) -> str:
             f"({ours['hit_tokens']} tokens loaded), recomputed: {alone['hit_phase_s']:.3f} s"
         )
     return "\n".join(lines)
+
+
+def _ratios(ratios: dict[str, float] | None) -> str:
+    """One path's four copy ratios as table columns (dashes where it did not run)."""
+    keys = ("gather", "scatter", "gather_framed", "scatter_framed")
+    widths = (6, 7, 6, 6)
+    if ratios is None:
+        return " ".join(f"{'-':>{w}}" for w in widths)
+    return " ".join(f"{ratios[k]:{w}.2f}" for k, w in zip(keys, widths, strict=True))
 
 
 def main() -> int:
