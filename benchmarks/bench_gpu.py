@@ -9,8 +9,9 @@ loads). Copies, stores, loads and the host time run both ways
 ``ChunkedCopies`` can move a piece's spans: one kernel launch per piece
 (``fused``, CUDA with Triton) and one indexed op per span (``per_span``, the
 baseline), so the gain is measured in the same run (``--device cpu`` has only
-the second; the JSON keeps the first path's figures where they always were and
-the other's under its name). Every figure is a ratio to the limit:
+the second; in the JSON a copy row has each path's ratios under its name, a
+job row and the host figures have the first path's at the top and the other's
+under its name). Every figure is a ratio to the limit:
 
 * ``copy``: ``BlockCopier`` gathers and scatters of random blocks of one
   group, into consecutive rows and into rows with 64 bytes of header room
