@@ -225,6 +225,15 @@ class Tier(abc.ABC):
         key ends most recent; absent keys are skipped). The default does nothing: a tier
         that evicts by another rule (or on a server) ignores it."""
 
+    def note_reused_many(self, keys: Sequence[StoreKey]) -> None:
+        """These stored keys were admitted as likely to be read again (``Admission.REUSED``);
+        a tier that can tell its next victim remembers it there. The default ignores it."""
+
+    def next_victim_reused(self) -> bool | None:
+        """Whether what this tier evicts next to make room holds an object noted reused;
+        None (the default): the tier cannot tell (a server evicts by its own rule)."""
+        return None
+
     @abc.abstractmethod
     def usage(self) -> TierUsage: ...
 

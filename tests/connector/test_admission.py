@@ -1,7 +1,8 @@
 """``admission``: with ``reused`` a full disk tier receives a prefix only once two
 requests reached it (or one loaded it), every group's blocks together; with ``all``
 every store. Real scheduler, worker, CPU and disk tiers; the disk is filled first
-(``fill_disk``), as while it has room ``reused`` sends every store on."""
+with objects noted reused (``fill_disk``), as while it has room, or can make it by
+evicting what was not reused, ``reused`` sends every store on."""
 
 from __future__ import annotations
 
@@ -49,10 +50,16 @@ def with_suffix(seed: int, num_tokens: int = CHUNK) -> list[int]:
 
 
 def full_disk_config(tmp_path: Path, **extra: Any) -> ConnectorConfig:
-    """Tiers of ``make_config`` with a 1 MiB disk of one segment, already full."""
-    config = make_config(tmp_path, disk_capacity_bytes="1MiB", **extra)
-    fill_disk(config)
-    return config
+    """Tiers of ``make_config`` with a 1 MiB disk of one segment (``full_disk_engine``
+    fills it)."""
+    return make_config(tmp_path, disk_capacity_bytes="1MiB", **extra)
+
+
+def full_disk_engine(model_groups: ModelGroups, config: ConnectorConfig) -> SimEngine:
+    """An engine whose disk tier is full of objects noted reused."""
+    engine = make_engine(model_groups, config)
+    fill_disk(engine.worker.store.tiers[1])
+    return engine
 
 
 def run(engine: SimEngine, req_id: str, tokens: list[int]) -> int:
@@ -98,7 +105,7 @@ def full_keys(model_groups: ModelGroups, tokens: list[int], blocks: range) -> li
 def test_a_prompt_seen_once_reaches_disk_only_with_all(tmp_path: Path, admission: str) -> None:
     model_groups = make_groups((SW, FULL), block_size=BLOCK_SIZE)
     config = full_disk_config(tmp_path, admission=admission)
-    engine = make_engine(model_groups, config)
+    engine = full_disk_engine(model_groups, config)
     tokens = with_suffix(seed=1)
     assert run(engine, "once", tokens) == 0
     stored = stored_keys(model_groups, engine, tokens)
@@ -119,7 +126,7 @@ def test_a_loaded_prefix_is_admitted_with_every_group(
     """With one hash remembered, only the load tells that the prefix is reused."""
     model_groups = make_groups(kinds, block_size=BLOCK_SIZE)
     config = full_disk_config(tmp_path, admission="reused", admission_seen_hashes=seen_hashes)
-    engine = make_engine(model_groups, config)
+    engine = full_disk_engine(model_groups, config)
     a, b = with_suffix(seed=1), with_suffix(seed=2)
     assert run(engine, "a", a) == 0
     prefix_keys = stored_keys(model_groups, engine, PREFIX)
@@ -142,7 +149,7 @@ def test_a_prefix_computed_twice_is_admitted_once_its_store_ends(
     are admitted, after they end."""
     model_groups = make_groups(kinds, block_size=BLOCK_SIZE)
     config = full_disk_config(tmp_path, admission="reused")
-    engine = make_engine(model_groups, config)
+    engine = full_disk_engine(model_groups, config)
     assert run(engine, "a", with_suffix(seed=1)) == 0
     prefix_keys = stored_keys(model_groups, engine, PREFIX)
     assert engine.worker.store.tiers[0].delete_many(prefix_keys) == len(prefix_keys)
@@ -168,9 +175,7 @@ def small_tiers(tmp_path: Path, model_groups: ModelGroups, admission: str) -> Co
             "num_io_threads": 1,
         },
     ]
-    config = make_config(tmp_path, tiers=tiers, admission=admission)
-    fill_disk(config)
-    return config
+    return make_config(tmp_path, tiers=tiers, admission=admission)
 
 
 @pytest.mark.parametrize("admission", ["all", "reused"])
@@ -182,7 +187,7 @@ def test_one_off_prompts_do_not_push_a_shared_prefix_out_of_disk(
     more than the disk. Every hit is checked against a cold run (``run``)."""
     model_groups = make_groups((SW, FULL), block_size=BLOCK_SIZE)
     config = small_tiers(tmp_path, model_groups, admission)
-    engine = make_engine(model_groups, config)
+    engine = full_disk_engine(model_groups, config)
     cpu = engine.worker.store.tiers[0]
     prefix_keys = full_keys(model_groups, PREFIX, range(16))
     hits, in_cpu = [], []
@@ -228,9 +233,9 @@ def test_blocks_admitted_while_their_store_runs_go_on_once_it_ends(tmp_path: Pat
     config = full_disk_config(tmp_path, admission="reused")
     first = GatedStores(CpuTier(CpuConfig(capacity_bytes=8 << 20, pin_memory=False)))
     first.release()
-    store = TieredStore(
-        [first, DiskTier(disk_config(config))], admission=Admission.REUSED, name="gated"
-    )
+    disk = DiskTier(disk_config(config))
+    fill_disk(disk)
+    store = TieredStore([first, disk], admission=Admission.REUSED, name="gated")
     engine = make_engine(model_groups, config, store=store)
     assert run(engine, "a", with_suffix(seed=1)) == 0
     prefix_keys = stored_keys(model_groups, engine, PREFIX)

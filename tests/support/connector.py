@@ -95,20 +95,21 @@ def disk_config(config: ConnectorConfig) -> DiskConfig:
     return next(c for c in config.tier_configs if isinstance(c, DiskConfig))
 
 
-def fill_disk(config: ConnectorConfig) -> None:
-    """Write filler objects into the config's disk tier until it has no free room left,
-    so ``admission: reused`` holds back what is not reused (``tiers.tiered.room``)."""
-    disk = DiskTier(disk_config(config))
-    try:
-        filler = np.zeros(4096, np.uint8)
-        for i in range(1 << 16):
-            usage = disk.usage()
-            if usage.capacity_bytes is not None and usage.used_bytes >= usage.capacity_bytes:
-                return
-            assert disk.put_many([StoreKey(f"test/filler/{i}")], [filler]) == [PutStatus.OK]
-        raise AssertionError("the disk tier never filled")
-    finally:
-        disk.close()
+def fill_disk(disk: Tier) -> None:
+    """Write filler objects into a live disk tier until it has no free room left, noted
+    reused, so ``admission: reused`` holds back what is not reused
+    (``tiers.tiered.room``; the marks live in that instance's memory)."""
+    filler = np.zeros(4096, np.uint8)
+    keys: list[StoreKey] = []
+    for i in range(1 << 16):
+        usage = disk.usage()
+        if usage.capacity_bytes is not None and usage.used_bytes >= usage.capacity_bytes:
+            disk.note_reused_many(keys)
+            assert disk.next_victim_reused() is True
+            return
+        keys.append(StoreKey(f"test/filler/{i}"))
+        assert disk.put_many(keys[-1:], [filler]) == [PutStatus.OK]
+    raise AssertionError("the disk tier never filled")
 
 
 def remove_from_disk(config: ConnectorConfig, keys: Sequence[StoreKey]) -> int:

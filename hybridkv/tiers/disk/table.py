@@ -63,6 +63,8 @@ class Segment:
     """Its file was removed from outside (no links left)."""
     mtime_ns: int = 0
     """Writer: its last use, as stamped on the file."""
+    reused: bool = False
+    """Holds an object noted reused (``DiskTier.note_reused_many``); in memory only."""
     reuse: Segment | None = None
     """While opening: the evicted segment whose file this one takes over."""
     reuse_seq: int = 0

@@ -120,6 +120,23 @@ class DiskTier(Tier):
             self._stats.hits += len(found)
         return [row >= 0 for row in rows]
 
+    def note_reused_many(self, keys: Sequence[StoreKey]) -> None:
+        """Mark the segments holding these keys: admission keeps them from being the
+        victim of a store that was not reused (``tiers.tiered.room``)."""
+        digests = digest_words(key_digests(keys))
+        with self._lock:
+            self._check_open()
+            rows = [row for row in self._table.index.find(digests).tolist() if row >= 0]
+            for segment in self._table.segments_at(rows):
+                segment.reused = True
+
+    def next_victim_reused(self) -> bool | None:
+        """Whether the segment this tier evicts next holds an object noted reused."""
+        with self._lock:
+            self._check_open()
+            victim = self._table.lru_idle()
+            return victim is not None and victim.reused
+
     def _any_lost(self, rows: list[int]) -> bool:
         """Drop the segments of these index rows whose files were removed from outside."""
         lost = False

@@ -43,6 +43,9 @@ class Admitting:
     _num_admitted: int
     _num_rejected: int
     """Blocks sent on to (held back from) each slower tier: the same for each."""
+    _reused_pending: set[StoreKey]
+    """Admitted by ``admit_many``, not written yet: noted reused in the slower tiers
+    once written (``Tier.note_reused_many``)."""
 
     def admit_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> int:
         """Send blocks held in the first tier on to the slower tiers (write-back, or now
@@ -61,17 +64,34 @@ class Admitting:
             held, views = self._borrow_first(keys, sizes)
             self._count_sent_on(len(held), 0)
             if held:
+                self._note_pending(held)
                 self._send_borrowed(held, views)
             return len(held)
         buffers = [np.empty(size, np.uint8) for size in sizes]
         found = self._get_from(0, keys, buffers)
         ok = [j for j, status in enumerate(found) if status is GetStatus.OK]
         self._count_sent_on(len(ok), 0)
+        ok_keys = [keys[j] for j in ok]
+        self._note_pending(ok_keys)
         if self._write_back is not None:
-            self._write_back.submit_many([keys[j] for j in ok], [buffers[j] for j in ok])
+            queued = self._write_back.submit_many(ok_keys, [buffers[j] for j in ok])
+            self._take_reused([k for k, q in zip(ok_keys, queued, strict=True) if not q])
         elif ok:
-            self._write_lower([keys[j] for j in ok], [buffers[j] for j in ok])
+            self._write_lower(ok_keys, [buffers[j] for j in ok])
         return len(ok)
+
+    def _note_pending(self, keys: Sequence[StoreKey]) -> None:
+        with self._lock:
+            self._reused_pending.update(keys)
+
+    def _take_reused(self, keys: Sequence[StoreKey]) -> list[StoreKey]:
+        """Those of ``keys`` admitted as reused and not written yet; forgotten here."""
+        with self._lock:
+            if not self._reused_pending:
+                return []
+            taken = [key for key in keys if key in self._reused_pending]
+            self._reused_pending.difference_update(taken)
+        return taken
 
     def _send_on(self, keys: list[StoreKey], views: list[Buffer]) -> None:
         """Objects committed in place in the first tier: count them, then send them to
@@ -95,7 +115,8 @@ class Admitting:
     def _send_borrowed(self, keys: list[StoreKey], views: list[Buffer]) -> None:
         """Send views of the first tier's memory on; owns one borrow of each."""
         if self._write_back is not None:
-            self._write_back.submit_borrowed_many(keys, views)
+            queued = self._write_back.submit_borrowed_many(keys, views)
+            self._take_reused([key for key, q in zip(keys, queued, strict=True) if not q])
             return
         try:
             self._write_lower(keys, views)

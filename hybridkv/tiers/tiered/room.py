@@ -1,4 +1,5 @@
-"""Room left in a tiered store's slower tiers: ``Admission.REUSED`` holds back only when full.
+"""Room in a tiered store's slower tiers: ``Admission.REUSED`` holds back only what
+would push out something reused.
 
 Worker process, any thread. Holding a block back from a tier that still has
 free room saves nothing and loses a hit (a restarted engine finds on disk only
@@ -6,9 +7,12 @@ what was sent there), so while every slower tier has room for a batch without
 evicting, the batch goes on whether or not it was reused. Each tier's usage
 is read at most once per ``refresh_s`` (a pool answers over the network), and
 the bytes sent since are counted against it here (a write-back queue may not
-have written them yet). A tier that cannot tell its capacity (Mooncake, a
-Valkey server without ``maxmemory``) never has room known: there only reused
-blocks go on.
+have written them yet). Once a tier is full, a batch still goes on where what
+it would evict there holds nothing admitted as reused
+(``Tier.next_victim_reused``, False): evicting one unreused block for another
+is plain recency, which admission must not lose to. A tier that cannot tell
+its capacity or its victim (Mooncake; Valkey without ``maxmemory``, or full)
+takes only reused blocks.
 """
 
 from __future__ import annotations
@@ -46,16 +50,26 @@ class SlowerRoom:
         self._lock = threading.Lock()
 
     def take(self, num_bytes: int) -> bool:
-        """True, and ``num_bytes`` counted as sent, when every slower tier has room."""
+        """True when every slower tier has room for ``num_bytes`` (counted as sent), or
+        would make it by evicting nothing admitted as reused."""
         with self._lock:
             now = self._clock()
             if self._read_at is None or now - self._read_at >= self._refresh_s:
                 self._free = [self._read_free(i) for i in range(1, len(self._tiers))]
                 self._read_at = now
-            if not self._free or any(free is None or free < num_bytes for free in self._free):
+            if not self._free:
                 return False
+            if any(free is None or free < num_bytes for free in self._free):
+                return self._victims_unreused()
             self._free = [None if free is None else free - num_bytes for free in self._free]
             return True
+
+    def _victims_unreused(self) -> bool:
+        for index in range(1, len(self._tiers)):
+            victim = self._guard.call(index, "victim", None, self._tiers[index].next_victim_reused)
+            if victim is not False:
+                return False
+        return True
 
     def _read_free(self, index: int) -> int | None:
         usage: TierUsage | None = self._guard.call(index, "usage", None, self._tiers[index].usage)

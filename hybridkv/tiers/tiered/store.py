@@ -98,6 +98,7 @@ class TieredStore(Admitting, Tier):
         self._guard = TierGuard(name, self.tier_names, logger)
         self._room = SlowerRoom(self.tiers, self._guard)
         self._num_admitted = 0
+        self._reused_pending = set()
         self._num_rejected = 0
         self._lock = threading.Lock()
         self._changes: ChangeLog | None = None
@@ -262,8 +263,12 @@ class TieredStore(Admitting, Tier):
         return answers
 
     def _write_lower(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> int:
-        """Write-back thread: put into every tier but the first; returns failures."""
+        """Write-back thread: put into every tier but the first, noting there those
+        admitted as reused; returns failures."""
         answers = [self._put_into(index, keys, buffers) for index in range(1, len(self.tiers))]
+        reused = self._take_reused(keys)
+        for index in range(1, len(self.tiers)) if reused else ():
+            self._guard.call(index, "note reused", None, self.tiers[index].note_reused_many, reused)
         return sum(status is PutStatus.ERROR for per_tier in answers for status in per_tier)
 
     def memory(self) -> TierMemory | None:
@@ -280,6 +285,7 @@ class TieredStore(Admitting, Tier):
         """Remove from every tier (and from the write-back queue); returns keys found anywhere."""
         if self._write_back is not None:
             self._write_back.cancel(keys)
+        self._take_reused(keys)
         present = self.contains_many(keys)
         for index, tier in enumerate(self.tiers):
             self._guard.call(index, "delete", 0, tier.delete_many, keys)

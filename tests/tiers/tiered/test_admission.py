@@ -35,17 +35,25 @@ def disk(path: Path, capacity_bytes: int = 16 << 20) -> DiskTier:
     return DiskTier(DiskConfig(path=path, capacity_bytes=capacity_bytes))
 
 
+def fill(second: DiskTier) -> None:
+    """One object noted reused fills a one-segment disk: its only victim is reused."""
+    filler = key(1000)
+    assert second.put_many([filler], [payload(filler)]) == [PutStatus.OK]
+    assert second.usage().used_bytes == second.usage().capacity_bytes
+    assert second.next_victim_reused() is False
+    second.note_reused_many([filler])
+    assert second.next_victim_reused() is True
+
+
 def make_store(
     tmp_path: Path, admission: Admission, *, write_back: bool = True, full: bool = True
 ) -> TieredStore:
-    """A CPU tier before a disk tier; ``full``: a small disk already holding an object,
-    so it has no room left (``tiers.tiered.room``)."""
+    """A CPU tier before a disk tier; ``full``: a small disk already holding an object
+    noted reused, so it has no room to give (``tiers.tiered.room``)."""
     first = CpuTier(CpuConfig(capacity_bytes=64 * SIZE, pin_memory=False))
     second = disk(tmp_path / "disk", SMALL_DISK if full else 16 << 20)
     if full:
-        filler = key(1000)
-        assert second.put_many([filler], [payload(filler)]) == [PutStatus.OK]
-        assert second.usage().used_bytes == second.usage().capacity_bytes
+        fill(second)
     return TieredStore([first, second], admission=admission, write_back=write_back)
 
 
@@ -115,8 +123,7 @@ def test_admitted_blocks_go_on_from_the_first_tier(tmp_path: Path, write_back: b
 
 def test_admission_reads_a_first_tier_without_memory(tmp_path: Path) -> None:
     far = disk(tmp_path / "far", SMALL_DISK)
-    filler = key(1000)
-    assert far.put_many([filler], [payload(filler)]) == [PutStatus.OK]  # no room left
+    fill(far)
     store = TieredStore([disk(tmp_path / "near"), far], admission=Admission.REUSED)
     assert store.memory() is None
     keys = [key(i) for i in range(4)]

@@ -19,7 +19,8 @@ from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.tier import ValkeyTier
 from tests.support.servers import MIB, MooncakePool, ValkeyServer
 
-CAPACITY = 1 << 20
+CAPACITY = 4 << 20
+SEGMENT = 1 << 20
 
 
 class Clock:
@@ -32,28 +33,49 @@ class Clock:
 
 def room_over_disk(tmp_path: Path, clock: Clock) -> tuple[SlowerRoom, DiskTier, CpuTier]:
     first = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
-    second = DiskTier(DiskConfig(path=tmp_path, capacity_bytes=CAPACITY))
+    config = DiskConfig(path=tmp_path, capacity_bytes=CAPACITY, segment_bytes=SEGMENT)
+    second = DiskTier(config)
     guard = TierGuard("test", ["cpu", "disk"], logging.getLogger(__name__))
     return SlowerRoom([first, second], guard, refresh_s=1.0, clock=clock), second, first
+
+
+def put(disk: DiskTier, name: str, num_bytes: int = 4096) -> StoreKey:
+    key = StoreKey(f"test/room/{name}")
+    assert disk.put_many([key], [np.zeros(num_bytes, np.uint8)]) == [PutStatus.OK]
+    return key
 
 
 def test_sent_bytes_count_until_the_next_read(tmp_path: Path) -> None:
     clock = Clock()
     room, second, first = room_over_disk(tmp_path, clock)
-    assert room.take(CAPACITY // 2)
-    assert room.take(CAPACITY // 2)
+    second.note_reused_many([put(second, "reused")])  # the next victim is reused
+    free = CAPACITY - SEGMENT
+    assert second.usage().used_bytes == SEGMENT
+    assert room.take(free // 2)
+    assert room.take(free // 2)
     assert not room.take(1)  # counted full although nothing was written yet
     clock.now = 0.5
     assert not room.take(1)  # not read again yet
     clock.now = 1.0
-    assert room.take(CAPACITY)  # read again: the disk is still empty
-    key = StoreKey("test/room/0")
-    assert second.put_many([key], [np.zeros(4096, np.uint8)]) == [PutStatus.OK]
-    clock.now = 2.0
-    used = second.usage().used_bytes
-    assert 0 < used <= CAPACITY
-    assert not room.take(CAPACITY - used + 1)
-    assert room.take(CAPACITY - used)
+    assert not room.take(free + 1)  # read again: what the disk has
+    assert room.take(free)
+    second.close()
+    first.close()
+
+
+def test_a_full_disk_takes_stores_while_its_victim_holds_nothing_reused(tmp_path: Path) -> None:
+    clock = Clock()
+    room, second, first = room_over_disk(tmp_path, clock)
+    oldest = [put(second, f"old/{i}", 64 << 10) for i in range(15)]  # the first segment
+    i = 0
+    while second.usage().used_bytes < CAPACITY:
+        put(second, f"fill/{i}", 64 << 10)
+        i += 1
+    assert second.next_victim_reused() is False
+    assert room.take(1)  # full, but evicting takes nothing reused: as plain recency
+    second.note_reused_many(oldest[-1:])  # one reused object makes its segment kept
+    assert second.next_victim_reused() is True
+    assert not room.take(1)
     second.close()
     first.close()
 
