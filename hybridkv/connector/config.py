@@ -87,10 +87,10 @@ class ConnectorConfig:
         Field(
             description=(
                 "which stored blocks the tiers after the first (disk, pool) receive; all: "
-                "every one; reused: every one while those tiers have free room, and once "
-                "they are full only those likely to be read again, every group's blocks of a "
-                "prefix that two requests reached (looked up, computed or loaded); the rest "
-                "stays in the first tier until evicted there"
+                "every one; reused: every one while those tiers have free room or would "
+                "evict only blocks not admitted as reused, else only those likely to be read "
+                "again, every group's blocks of a prefix that two requests reached (looked "
+                "up, computed or loaded); the rest stays in the first tier until evicted there"
             )
         ),
     ] = Admission.ALL
