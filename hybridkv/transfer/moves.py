@@ -6,19 +6,22 @@ threads, the job states and the staging accounting. A store's blocks go into
 the tier's own memory when it has some (``in_place``), else into staging for
 ``Tier.put_many``. A load borrows the blocks the tier's memory holds and reads
 the rest into staging; only blocks read OK are scattered, and borrowed ones
-are released once their copies are done. A load part with a chosen tier
-(``TransferPart.tier_index``) is read from that tier of a ``TieredStore``
-only, and borrowed only when it is the first (whose memory that is). A tier
-that raises fails the job's blocks; it never reaches the engine's threads.
+are released once their copies are done (``start_scatter`` enqueues them,
+``end_scatter`` waits: a thread may start the next load in between). A load
+part with a chosen tier (``TransferPart.tier_index``) is read from that tier
+of a ``TieredStore`` only, and borrowed only when it is the first (whose
+memory that is). A tier that raises fails the job's blocks; it never reaches
+the engine's threads.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier
-from hybridkv.transfer.copier import BlockCopier
+from hybridkv.transfer.copier import BlockCopier, CopyMark
 from hybridkv.transfer.in_place import (
     Borrowed,
     InPlaceCopies,
@@ -30,6 +33,14 @@ from hybridkv.transfer.jobs import Job, JobKind
 from hybridkv.transfer.placement import StagingPlacement
 
 logger = logging.getLogger(__name__)
+
+
+class StartedScatter(NamedTuple):
+    """A load's copies, enqueued: done once ``mark`` is (``BlockCopier.copies_mark``);
+    ``error`` when enqueuing them failed part way (the mark still covers what was)."""
+
+    mark: CopyMark
+    error: str | None
 
 
 class JobMoves:
@@ -141,17 +152,44 @@ class JobMoves:
     def scatter(self, job: Job, borrowed: Borrowed) -> str | None:
         """Scatter the borrowed blocks and those read OK into staging; return once every
         copy is done (the borrowed blocks may be released then)."""
+        return self.end_scatter(self.start_scatter(job, borrowed))
+
+    def start_scatter(self, job: Job, borrowed: Borrowed) -> StartedScatter:
+        """Enqueue a load's copies: the borrowed blocks and those read OK into staging
+        (done on return where copies are synchronous). ``end_scatter`` finishes them."""
         try:
             if borrowed and self.in_place is not None:
                 self.in_place.scatter(job, borrowed)
             if job.staged_statuses is not None:
-                self.placement.scatter(job, job.staged_statuses)
-            self.copier.wait_done(self.copier.copies_mark())
+                self._scatter_staged(job, job.staged_statuses)
         except Exception as exc:  # a bug, not an I/O failure; the loaded KV is suspect
             logger.exception("load job %d: scatter failed", job.job_id)
-            self.copier.wait_done(self.copier.copies_mark())
-            return f"scatter raised {type(exc).__name__}: {exc}"
-        return None
+            # Copies enqueued before the failure may still run: the mark covers them.
+            error = f"scatter raised {type(exc).__name__}: {exc}"
+            return StartedScatter(self.copier.copies_mark(), error)
+        return StartedScatter(self.copier.copies_mark(), None)
+
+    def end_scatter(self, started: StartedScatter) -> str | None:
+        """Wait until a load's copies are done (its borrowed blocks may be released
+        then); the error, if starting them failed."""
+        self.copier.wait_done(started.mark)
+        return started.error
+
+    def _scatter_staged(self, job: Job, statuses: Sequence[GetStatus]) -> None:
+        """Enqueue the copies of the blocks read OK into staging, and only those (as
+        ``StagingPlacement.scatter``, without its wait)."""
+        start = 0
+        for i, part in enumerate(job.parts):
+            part_statuses = statuses[start : start + len(part.block_ids)]
+            start += len(part.block_ids)
+            ok_rows = [r for r, s in enumerate(part_statuses) if s is GetStatus.OK]
+            if not ok_rows:
+                continue
+            rows = self.placement._host_rows(job, i, part)
+            if len(ok_rows) < len(part_statuses):
+                rows = rows._replace(offsets=rows.offsets[ok_rows])
+            block_ids = [part.block_ids[r] for r in ok_rows]
+            self.copier.scatter_at(part.group_id, block_ids, rows, after=job.compute_mark)
 
     def release(self, job: Job, borrowed: Borrowed) -> None:
         """End a load's borrows (after its copies are done, or when it was given up on)."""
