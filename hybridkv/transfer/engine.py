@@ -12,8 +12,9 @@ the rest are read into staging reserved at submit, and only blocks read OK
 are scattered. A load part may name the one tier of a ``TieredStore`` it is
 read from (``TransferPart.tier_index``). Loads run before queued stores; a
 worker reports a load once the next load's copies are enqueued behind its
-own, so the link moves one while the host reads the next (a lone load is
-reported as soon as its copies are done).
+own, so the link moves one while the host borrows the next, and never later
+than before a read into staging, a store, or an idle wait
+(``transfer.tier_worker``).
 Every submitted job yields exactly one ``JobResult`` from ``poll_finished``.
 A job past its timeout, or cancelled, is reported failed at once; its
 staging stays reserved until the tier call returns, and a load's late bytes
@@ -31,12 +32,11 @@ import queue
 import threading
 import time
 from collections.abc import Collection, Sequence
-from typing import NamedTuple
 
 from hybridkv.layout import CanonicalKVCaches
-from hybridkv.tiers.base import GetStatus, PutStatus, Tier
+from hybridkv.tiers.base import PutStatus, Tier
 from hybridkv.transfer.copier import BlockCopier
-from hybridkv.transfer.in_place import Borrowed, InPlaceCopies, StartedStore
+from hybridkv.transfer.in_place import InPlaceCopies, StartedStore
 from hybridkv.transfer.jobs import (
     Job,
     JobId,
@@ -49,26 +49,16 @@ from hybridkv.transfer.jobs import (
     check_parts,
 )
 from hybridkv.transfer.ledger import JobLedger
-from hybridkv.transfer.moves import JobMoves, StartedScatter
+from hybridkv.transfer.moves import JobMoves
 from hybridkv.transfer.placement import StagingPlacement
 from hybridkv.transfer.staging import PHASE_BYTES, StagingArena
 from hybridkv.transfer.stats import TransferStats
+from hybridkv.transfer.tier_worker import TierWorker
 
 logger = logging.getLogger(__name__)
 
 
-class _Finishing(NamedTuple):
-    """A job whose tier call returned, to report once its load copies (``started``;
-    None: none) are done; then its borrowed blocks are released."""
-
-    job: Job
-    statuses: list[GetStatus] | list[PutStatus]
-    error: str | None
-    borrowed: Borrowed
-    started: StartedScatter | None
-
-
-class TransferEngine:
+class TransferEngine(TierWorker):
     """Moves blocks of ``caches`` to and from ``tier`` (see module doc)."""
 
     def __init__(
@@ -365,117 +355,3 @@ class TransferEngine:
                 job.state = JobState.QUEUED
                 self._queue_for_tier(job)
             self._ledger.changed.notify_all()
-
-    # ---- worker side --------------------------------------------------------------------
-
-    def _work(self) -> None:
-        """Run jobs from the queue. A load's copies are only enqueued here; it is
-        reported once the next load's copies are enqueued behind them (so the link
-        moves one load while the host reads the next), or before this thread runs
-        anything else, waits for a job, or stops."""
-        pending: _Finishing | None = None
-        try:
-            while True:
-                try:
-                    _, _, job_id = self._queue.get_nowait()
-                except queue.Empty:
-                    self._finish(pending)  # never hold a result while idle
-                    pending = None
-                    _, _, job_id = self._queue.get()
-                if job_id is None:
-                    return
-                job = self._start(job_id)
-                if job is None:
-                    continue
-                if job.kind is not JobKind.LOAD:
-                    self._finish(pending)
-                    pending = None
-                began = self._begin(job)
-                self._finish(pending)  # in order, after this job's copies are enqueued
-                pending = None
-                if began is not None and began.started is not None:
-                    pending = began
-                else:
-                    self._finish(began)
-        finally:
-            self._finish(pending)
-
-    def _start(self, job_id: JobId) -> Job | None:
-        with self._ledger.lock:
-            job = self._ledger.jobs.get(job_id)
-            if job is None or job.state is not JobState.QUEUED:
-                return None
-            if job.deadline is not None and time.monotonic() > job.deadline:
-                self._ledger.stats.timeouts += 1
-                self._ledger.abandon(job, JobOutcome.TIMED_OUT, "timed out before it started")
-                return None
-            job.state = JobState.RUNNING
-            return job
-
-    def _begin(self, job: Job) -> _Finishing | None:
-        """The tier call, and for a load the start of its copies; None when the job
-        was given up on meanwhile or failed (reported either way)."""
-        borrowed: Borrowed = []
-        try:
-            statuses, error, borrowed = self.moves.call_tier(job)
-            with self._ledger.lock:
-                abandoned = job.state is JobState.ABANDONED
-                if abandoned:
-                    self._ledger.release(job)
-                elif job.kind is JobKind.LOAD:
-                    job.state = JobState.SCATTERING  # from now on only _finish reports it
-            if abandoned:  # reported already; no copy of it started
-                self._release_borrows(job, borrowed)
-                return None
-            started = None
-            if job.kind is JobKind.LOAD and statuses:
-                started = self.moves.start_scatter(job, borrowed)
-            return _Finishing(job, statuses, error, borrowed, started)
-        except Exception as exc:  # a bug: never leave a job unreported
-            if self._fail(job, exc):
-                self._release_borrows(job, borrowed)
-            return None
-
-    def _finish(self, finishing: _Finishing | None) -> None:
-        """Report a job begun by ``_begin`` once its copies are done, then end its borrows."""
-        if finishing is None:
-            return
-        job, statuses, error, borrowed, started = finishing
-        try:
-            if started is not None:
-                error = self.moves.end_scatter(started) or error
-                if error:
-                    statuses = []
-            with self._ledger.lock:
-                outcome = JobOutcome.ERROR if error else JobOutcome.OK
-                self._ledger.report(job, statuses, outcome, error)
-        except Exception as exc:  # a bug: never leave a job unreported
-            if not self._fail(job, exc):
-                return
-        self._release_borrows(job, borrowed)
-
-    def _fail(self, job: Job, exc: Exception) -> bool:
-        """Report a job that raised (unless reported already); True when none of its
-        copies can still run, so its borrowed blocks may be released."""
-        logger.error("%s job %d failed", job.kind.value, job.job_id, exc_info=exc)
-        done = True
-        if job.state is JobState.SCATTERING:  # copies of it may have been enqueued
-            try:
-                self.copier.wait_done(self.copier.copies_mark())
-            except Exception:
-                logger.exception("load job %d: copies not known done; borrows kept", job.job_id)
-                done = False
-        with self._ledger.lock:
-            if self._ledger.jobs.get(job.job_id) is not job:
-                return done
-            if job.state is JobState.ABANDONED:
-                self._ledger.release(job)
-            else:
-                self._ledger.report(job, [], JobOutcome.ERROR, f"transfer engine error: {exc!r}")
-        return done
-
-    def _release_borrows(self, job: Job, borrowed: Borrowed) -> None:
-        try:
-            self.moves.release(job, borrowed)
-        except Exception:  # the tier's bookkeeping; the job is reported already
-            logger.exception("load job %d: releasing borrowed blocks failed", job.job_id)

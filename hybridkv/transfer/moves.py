@@ -17,7 +17,7 @@ the engine's threads.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier
@@ -81,9 +81,13 @@ class JobMoves:
         assert self.in_place is not None
         return self.in_place.end_store(job, started)
 
-    def call_tier(self, job: Job) -> tuple[list[GetStatus] | list[PutStatus], str | None, Borrowed]:
+    def call_tier(
+        self, job: Job, before_read: Callable[[], None] | None = None
+    ) -> tuple[list[GetStatus] | list[PutStatus], str | None, Borrowed]:
         """The tier's answers (empty, with the error, when it raised), and for a load the
-        blocks borrowed from the tier's memory (to release once scattered)."""
+        blocks borrowed from the tier's memory (to release once scattered).
+        ``before_read`` runs before a load reads blocks into staging (none: it never
+        runs)."""
         keys = [key for part in job.parts for key in part.keys]
         borrowed: Borrowed = []
         try:
@@ -93,7 +97,7 @@ class JobMoves:
             else:
                 if self.in_place is not None:
                     borrowed = self.in_place.borrow(job)
-                statuses = self._read_staged(job, keys, borrowed)
+                statuses = self._read_staged(job, keys, borrowed, before_read)
             if len(statuses) != len(keys):
                 raise RuntimeError(f"tier returned {len(statuses)} statuses for {len(keys)} keys")
             return statuses, None, borrowed
@@ -104,10 +108,18 @@ class JobMoves:
             return [], f"tier {self.tier.name} raised {type(exc).__name__}: {exc}", borrowed
 
     def _read_staged(
-        self, job: Job, keys: Sequence[StoreKey], borrowed: Borrowed
+        self,
+        job: Job,
+        keys: Sequence[StoreKey],
+        borrowed: Borrowed,
+        before_read: Callable[[], None] | None,
     ) -> list[GetStatus]:
         """Read what was not borrowed into staging; every key's status."""
         tier_indexes = job_tier_indexes(job)
+        if before_read is not None and (
+            not borrowed or any(not isinstance(b, int) for b in borrowed)
+        ):
+            before_read()
         if not borrowed:
             job.staged_statuses = self._read(keys, job.buffers, tier_indexes)
             return job.staged_statuses

@@ -108,10 +108,10 @@ def _instrument(rig: Rig) -> None:
     in_place = engine.in_place
     assert in_place is not None
 
-    def call_tier(inner: Callable[..., Any], job: Any) -> Any:
+    def call_tier(inner: Callable[..., Any], job: Any, *a: Any) -> Any:
         rig.calling.set()
         assert rig.gate.wait(WAIT_S)
-        return inner(job)
+        return inner(job, *a)
 
     def start(inner: Callable[..., Any], job: Any, borrowed: Any) -> Any:
         trace.add("start", job.job_id)
@@ -322,8 +322,9 @@ def test_close_finishes_a_pending_load(rig: Rig) -> None:
 
 
 def test_staged_loads_and_a_store_between_them_over_a_disk_tier(tmp_path: Path) -> None:
-    """A tier without memory of its own: loads scatter from staging, pipelined the
-    same way, and a store queued among them is written too."""
+    """A tier without memory of its own: loads scatter from staging, each reported
+    before the next one's read into staging begins (a disk read must not delay it),
+    and a store queued among them is written too."""
     model_groups = spec()
     alloc = allocate_kv_caches(model_groups, NUM_BLOCKS, kind=KVLayoutKind.LAYER_MAJOR)
     alloc.buffer.copy_(torch.randint(-128, 128, alloc.buffer.shape, dtype=torch.int8))
@@ -338,6 +339,13 @@ def test_staged_loads_and_a_store_between_them_over_a_disk_tier(tmp_path: Path) 
         saved = alloc.buffer.clone()
         for tensor in engine.caches.tensors:
             tensor[[b for ids in loaded for b in ids]] = 0
+        events: list[object] = []
+        _wrap(engine.moves, "_read", lambda inner, *a: events.append("read") or inner(*a))
+        _wrap(
+            engine._ledger,
+            "report",
+            lambda inner, job, *a: events.append(job.job_id) or inner(job, *a),
+        )
         job_ids = [engine.submit_load(parts_of(ids)) for ids in loaded[:5]]
         store = engine.submit_store(parts_of([b for ids in stored_later for b in ids]))
         job_ids += [engine.submit_load(parts_of(ids)) for ids in loaded[5:]]
@@ -348,6 +356,10 @@ def test_staged_loads_and_a_store_between_them_over_a_disk_tier(tmp_path: Path) 
         assert sorted(r.job_id for r in results) == sorted([*job_ids, store])  # type: ignore[type-var]
         loads = [r.job_id for r in results if r.job_id != store]
         assert loads == job_ids, "loads reported in submission order"
+        reads = [i for i, e in enumerate(events) if e == "read"]
+        assert len(reads) == len(job_ids)
+        for job_id, next_read in zip(job_ids, reads[1:], strict=False):
+            assert events.index(job_id) < next_read, f"load {job_id} waited for a read: {events}"
         assert torch.equal(alloc.buffer, saved)
         assert all(disk.contains_many(keys(0, [b for ids in stored_later for b in ids])))
         engine.check_integrity()
