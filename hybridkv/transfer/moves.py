@@ -173,7 +173,7 @@ class JobMoves:
             if borrowed and self.in_place is not None:
                 self.in_place.scatter(job, borrowed)
             if job.staged_statuses is not None:
-                self._scatter_staged(job, job.staged_statuses)
+                self.placement.scatter(job, job.staged_statuses)
         except Exception as exc:  # a bug, not an I/O failure; the loaded KV is suspect
             logger.exception("load job %d: scatter failed", job.job_id)
             # Copies enqueued before the failure may still run: the mark covers them.
@@ -186,22 +186,6 @@ class JobMoves:
         then); the error, if starting them failed."""
         self.copier.wait_done(started.mark)
         return started.error
-
-    def _scatter_staged(self, job: Job, statuses: Sequence[GetStatus]) -> None:
-        """Enqueue the copies of the blocks read OK into staging, and only those (as
-        ``StagingPlacement.scatter``, without its wait)."""
-        start = 0
-        for i, part in enumerate(job.parts):
-            part_statuses = statuses[start : start + len(part.block_ids)]
-            start += len(part.block_ids)
-            ok_rows = [r for r, s in enumerate(part_statuses) if s is GetStatus.OK]
-            if not ok_rows:
-                continue
-            rows = self.placement._host_rows(job, i, part)
-            if len(ok_rows) < len(part_statuses):
-                rows = rows._replace(offsets=rows.offsets[ok_rows])
-            block_ids = [part.block_ids[r] for r in ok_rows]
-            self.copier.scatter_at(part.group_id, block_ids, rows, after=job.compute_mark)
 
     def release(self, job: Job, borrowed: Borrowed) -> None:
         """End a load's borrows (after its copies are done, or when it was given up on)."""

@@ -85,7 +85,8 @@ class StagingPlacement:
         job.checksums = checksums if hashed else None
 
     def scatter(self, job: Job, statuses: Sequence[GetStatus | PutStatus]) -> None:
-        """Copy back the blocks answered OK, and only those."""
+        """Enqueue the copies back of the blocks answered OK, and only those (done on
+        return where copies are synchronous; the caller waits for the copier's mark)."""
         start = 0
         for i, part in enumerate(job.parts):
             part_statuses = statuses[start : start + len(part.block_ids)]
@@ -98,7 +99,6 @@ class StagingPlacement:
                 rows = rows._replace(offsets=rows.offsets[ok_rows])
             block_ids = [part.block_ids[r] for r in ok_rows]
             self.copier.scatter_at(part.group_id, block_ids, rows, after=job.compute_mark)
-        self.copier.wait_done(self.copier.copies_mark())
 
     def _host_rows(self, job: Job, index: int, part: TransferPart) -> HostRows:
         """Where a part's block payloads lie in the arena (the header room between them
