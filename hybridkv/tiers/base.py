@@ -225,6 +225,19 @@ class Tier(abc.ABC):
         key ends most recent; absent keys are skipped). The default does nothing: a tier
         that evicts by another rule (or on a server) ignores it."""
 
+    def put_reused_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
+        """``put_many`` of keys admitted as likely to be read again (``Admission.REUSED``),
+        then ``note_reused_many`` of them. A tier that keeps such objects apart (the disk:
+        segments of their own) overrides it."""
+        results = self.put_many(keys, buffers, checksums)
+        self.note_reused_many(keys)
+        return results
+
     def note_reused_many(self, keys: Sequence[StoreKey]) -> None:
         """These stored keys were admitted as likely to be read again (``Admission.REUSED``);
         a tier that can tell its next victim remembers it there. The default ignores it."""

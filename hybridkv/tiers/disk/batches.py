@@ -7,7 +7,7 @@ and read with one native call; a get's tasks are one per I/O thread.
 
 from __future__ import annotations
 
-from hybridkv.tiers.disk.table import Entry, Reservation
+from hybridkv.tiers.disk.records import Entry, Reservation
 
 MIN_PART_BYTES = 1 << 20
 """A get is cut into tasks for its I/O threads of at least this size."""

@@ -36,9 +36,10 @@ from hybridkv.tiers.disk.files import (
 )
 from hybridkv.tiers.disk.index import MAX_OFFSET
 from hybridkv.tiers.disk.paths import DiskPaths, is_temp, segment_seq
+from hybridkv.tiers.disk.records import Entry, Segment
 from hybridkv.tiers.disk.scan import ScanReport, SlotScan, scan_slots
 from hybridkv.tiers.disk.segments import SLOT_BYTES, SlotState, slot_offset
-from hybridkv.tiers.disk.table import Entry, Segment, SegmentTable
+from hybridkv.tiers.disk.table import SegmentTable
 from hybridkv.tiers.log_once import LogOnce
 
 logger = logging.getLogger(__name__)

@@ -97,6 +97,21 @@ def read_planned(planned: PlannedRun) -> preads.RunRead:
     )
 
 
+def read_any(planned: PlannedRun | Outcome) -> preads.RunRead | None:
+    """``read_planned`` of a planned run; None for one not planned (its outcome is known)."""
+    return read_planned(planned) if isinstance(planned, PlannedRun) else None
+
+
+def outcomes(
+    planned: PlannedRun | Outcome, read: preads.RunRead | None, count: int, *, reader: bool
+) -> list[Outcome]:
+    """``verify_run`` of a planned run; for one not planned, its outcome ``count`` times."""
+    if not isinstance(planned, PlannedRun):
+        return [planned] * count
+    assert read is not None
+    return verify_run(planned, read, reader=reader)
+
+
 def verify_run(planned: PlannedRun, read: preads.RunRead, *, reader: bool) -> list[Outcome]:
     """Per object of the run: None when its slot holds what was indexed and its payload
     was read whole and matches the slot's checksum, else what went wrong.

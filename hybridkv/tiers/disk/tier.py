@@ -45,6 +45,7 @@ from hybridkv.tiers.disk.files import (
     DiskTierInUse,
     Quarantine,
 )
+from hybridkv.tiers.disk.records import Entry, FileWork, Reservation, Segment
 from hybridkv.tiers.disk.scan import ScanReport
 from hybridkv.tiers.disk.segments import (
     SLOT_BYTES,
@@ -53,7 +54,7 @@ from hybridkv.tiers.disk.segments import (
     SlotState,
     slot_offset,
 )
-from hybridkv.tiers.disk.table import Entry, FileWork, Reservation, Segment, SegmentTable
+from hybridkv.tiers.disk.table import SegmentTable
 from hybridkv.tiers.log_once import LogOnce
 
 __all__ = ["DiskConfig", "DiskTier", "DiskTierInUse", "FsyncPolicy", "ScanReport"]
@@ -128,13 +129,13 @@ class DiskTier(Tier):
             self._check_open()
             rows = [row for row in self._table.index.find(digests).tolist() if row >= 0]
             for segment in self._table.segments_at(rows):
-                segment.reused = True
+                self._table.mark_reused(segment)
 
     def next_victim_reused(self) -> bool | None:
         """Whether the segment this tier evicts next holds an object noted reused."""
         with self._lock:
             self._check_open()
-            victim = self._table.lru_idle()
+            victim = self._table.victim()
             return victim is not None and victim.reused
 
     def _any_lost(self, rows: list[int]) -> bool:
@@ -156,6 +157,27 @@ class DiskTier(Tier):
         checksums: Sequence[int] | None = None,
     ) -> list[PutStatus]:
         """Reserve in batch order, write runs of slots in parallel, commit in batch order."""
+        return self._put(keys, buffers, checksums, reused=False)
+
+    def put_reused_many(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
+        """Into segments of their own, so that no unreused object shares their protection."""
+        results = self._put(keys, buffers, checksums, reused=True)
+        self.note_reused_many(keys)  # those stored already, in other segments
+        return results
+
+    def _put(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None,
+        *,
+        reused: bool,
+    ) -> list[PutStatus]:
         check_batch(keys, buffers, checksums)
         self._check_writable("put")
         results: list[PutStatus] = [PutStatus.OK] * len(keys)
@@ -171,7 +193,7 @@ class DiskTier(Tier):
             if self._any_lost([row for row in rows.tolist() if row >= 0]):
                 rows = self._table.index.find(digest_words(joined))
             sizes = [len(buf) for buf in buffers]
-            reserved_all = self._table.reserve_many(digests, sizes, rows, work)
+            reserved_all = self._table.reserve_many(digests, sizes, rows, work, reused=reused)
             for item, reserved in enumerate(reserved_all):
                 if isinstance(reserved, Reservation):
                     reservations.append(reserved)
@@ -256,12 +278,14 @@ class DiskTier(Tier):
                 entry.segment.readers += 1
         tasks = read_tasks(todo, self._num_io_threads)
         planned = [[self._plan(run, digests, buffers) for run in task] for task in tasks]
-        done = self._map(lambda i: [_read(run) for run in planned[i]], len(tasks))
+        done = self._map(lambda i: [reads.read_any(run) for run in planned[i]], len(tasks))
         outcome_of = {
             j: outcome
             for task, task_planned, task_done in zip(tasks, planned, done, strict=True)
             for run, run_planned, read in zip(task, task_planned, task_done, strict=True)
-            for (j, _), outcome in zip(run, self._verify(run, run_planned, read), strict=True)
+            for (j, _), outcome in zip(
+                run, reads.outcomes(run_planned, read, len(run), reader=self.read_only), strict=True
+            )
         }
         results = [GetStatus.MISS] * len(keys)
         touched: set[Segment] = set()
@@ -293,17 +317,6 @@ class DiskTier(Tier):
             return exc
         wanted = [reads.Wanted(e.slot, e.offset, digests[j], buffers[j]) for j, e in run]
         return reads.plan_run(segment.fd, segment.header, wanted)
-
-    def _verify(
-        self,
-        run: list[tuple[int, Entry]],
-        planned: reads.PlannedRun | reads.Outcome,
-        read: preads.RunRead | None,
-    ) -> list[reads.Outcome]:
-        if not isinstance(planned, reads.PlannedRun):
-            return [planned] * len(run)
-        assert read is not None
-        return reads.verify_run(planned, read, reader=self.read_only)
 
     def _finish_get(
         self, digest: bytes, entry: Entry, key: StoreKey, num_bytes: int, outcome: reads.Outcome
@@ -403,8 +416,3 @@ class DiskTier(Tier):
                 slot = segments.parse_slot(raw, segment.header, segment.size)
                 assert isinstance(slot, Slot) and slot.state is SlotState.LIVE, (digest, slot)
                 assert (slot.digest, slot.offset) == (digest, entry.offset), digest.hex()
-
-
-def _read(planned: reads.PlannedRun | reads.Outcome) -> preads.RunRead | None:
-    """The native read of a planned run (on an I/O thread); None for a run not planned."""
-    return reads.read_planned(planned) if isinstance(planned, reads.PlannedRun) else None

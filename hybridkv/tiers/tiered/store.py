@@ -253,8 +253,11 @@ class TieredStore(Admitting, Tier):
         checksums: Sequence[int] | None = None,
         *,
         what: str = "put",
+        reused: bool = False,
     ) -> list[PutStatus]:
-        put_many = self.tiers[index].put_many
+        tier = self.tiers[index]
+        put_many = tier.put_reused_many if reused else tier.put_many
+        what = "put reused" if reused else what
         answers = self._guard.batch(
             index, what, PutStatus.ERROR, put_many, keys, buffers, checksums
         )
@@ -263,13 +266,25 @@ class TieredStore(Admitting, Tier):
         return answers
 
     def _write_lower(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> int:
-        """Write-back thread: put into every tier but the first, noting there those
-        admitted as reused; returns failures."""
-        answers = [self._put_into(index, keys, buffers) for index in range(1, len(self.tiers))]
-        reused = self._take_reused(keys)
-        for index in range(1, len(self.tiers)) if reused else ():
-            self._guard.call(index, "note reused", None, self.tiers[index].note_reused_many, reused)
-        return sum(status is PutStatus.ERROR for per_tier in answers for status in per_tier)
+        """Write-back thread: put into every tier but the first, those admitted as reused
+        with ``put_reused_many``; returns failures."""
+        reused = set(self._take_reused(keys))
+        parts = [(keys, buffers, False)]
+        if reused:
+            kept = [j for j, key in enumerate(keys) if key not in reused]
+            taken = [j for j, key in enumerate(keys) if key in reused]
+            parts = [
+                ([keys[j] for j in part], [buffers[j] for j in part], is_reused)
+                for part, is_reused in ((kept, False), (taken, True))
+                if part
+            ]
+        answers = [
+            status
+            for index in range(1, len(self.tiers))
+            for part_keys, part_buffers, is_reused in parts
+            for status in self._put_into(index, part_keys, part_buffers, reused=is_reused)
+        ]
+        return answers.count(PutStatus.ERROR)
 
     def memory(self) -> TierMemory | None:
         """The first tier's memory (None where it has none); commits reach the other

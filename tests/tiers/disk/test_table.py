@@ -1,4 +1,5 @@
-"""SegmentTable: reservations, LRU eviction of idle segments, file reuse, runs and a get's tasks."""
+"""SegmentTable: reservations, LRU eviction of idle segments (segments holding reused
+objects kept apart and protected), file reuse, runs and a get's tasks."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 from hybridkv.tiers.digest_table import digest_words
 from hybridkv.tiers.disk.batches import read_tasks, runs
 from hybridkv.tiers.disk.paths import DiskPaths
+from hybridkv.tiers.disk.records import Entry, FileWork, Reservation
 from hybridkv.tiers.disk.segments import PAGE, Geometry
-from hybridkv.tiers.disk.table import Entry, FileWork, Reservation, SegmentTable
+from hybridkv.tiers.disk.table import SegmentTable
 
 SEGMENT = Geometry.standard(2 * PAGE + 2 * 8192)  # two 8 KiB objects per segment
 NOWHERE = DiskPaths(Path("/nowhere"))
@@ -34,9 +36,11 @@ def open_all(work: FileWork) -> None:
         segment.ready.set()
 
 
-def put(t: SegmentTable, name: str, num_bytes: int = 8192) -> tuple[Reservation | str, FileWork]:
+def put(
+    t: SegmentTable, name: str, num_bytes: int = 8192, *, reused: bool = False
+) -> tuple[Reservation | str, FileWork]:
     work = FileWork()
-    reserved = t.reserve(0, digest(name), num_bytes, work)
+    reserved = t.reserve(0, digest(name), num_bytes, work, reused=reused)
     open_all(work)
     if isinstance(reserved, Reservation):
         assert t.commit_part([reserved], written=True) == 1
@@ -75,6 +79,59 @@ def test_the_least_recently_used_idle_segment_is_evicted_and_its_file_reused() -
     open_all(work)
     assert t.commit_part([reserved], written=True) == 1
     assert indexed(t) == {"a", "b", "e"}
+    t.check()
+
+
+def segment_of(t: SegmentTable, name: str) -> int:
+    entry = t.entry(digest(name))
+    assert entry is not None, name
+    return entry.segment.seq
+
+
+def test_reused_objects_go_into_segments_of_their_own() -> None:
+    t = table(8)
+    for name, reused in [("a", False), ("r1", True), ("b", False), ("r2", True), ("r3", True)]:
+        assert isinstance(put(t, name, reused=reused)[0], Reservation)
+    plain, protected = segment_of(t, "a"), segment_of(t, "r1")
+    assert plain != protected
+    assert segment_of(t, "b") == plain and segment_of(t, "r2") == protected
+    assert segment_of(t, "r3") not in (plain, protected)  # the reused one was full
+    assert not t.segments[plain].reused and t.segments[protected].reused
+    assert t.reused_bytes == 2 * SEGMENT.size
+    t.check()
+
+
+def test_segments_holding_reused_objects_are_evicted_after_all_others() -> None:
+    t = table(4)
+    for i in range(3):  # the three oldest segments: reused
+        put(t, f"r{i}a", reused=True)
+        put(t, f"r{i}b", reused=True)
+    put(t, "p0a")
+    put(t, "p0b")
+    assert t.allocated == t.capacity_bytes and t.reused_bytes == 3 * SEGMENT.size
+    victim = t.victim()
+    assert victim is not None and victim.seq == segment_of(t, "p0a")  # not an older one
+    put(t, "p1")  # a plain store evicts the plain segment
+    assert t.entry(digest("p0a")) is None and t.entry(digest("r0a")) is not None
+    put(t, "r3a", reused=True)  # so does a reused one, while a plain segment is idle
+    assert t.entry(digest("p1")) is None and t.entry(digest("r0a")) is not None
+    put(t, "r3b", reused=True)
+    put(t, "r4", reused=True)  # only reused segments are left: the oldest goes
+    assert t.entry(digest("r0a")) is None and t.entry(digest("r1a")) is not None
+    assert t.reused_bytes == t.allocated
+    t.check()
+
+
+def test_plain_stores_evict_reused_segments_only_where_nothing_else_is_idle() -> None:
+    t = table(2)
+    for name in ("r1", "r2", "r3", "r4"):
+        put(t, name, reused=True)
+    victim = t.victim()  # all reused: the oldest of them
+    assert victim is not None and victim.seq == segment_of(t, "r1")
+    reserved, _ = put(t, "plain")
+    assert isinstance(reserved, Reservation) and not reserved.segment.reused
+    assert t.entry(digest("r1")) is None and t.entry(digest("r3")) is not None
+    assert t.reused_bytes == SEGMENT.size
     t.check()
 
 

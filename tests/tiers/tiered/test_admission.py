@@ -163,3 +163,34 @@ def test_reused_sends_every_store_on_while_the_disk_has_room(
     reopened = disk(tmp_path / "disk")  # what a restarted engine finds
     assert_reads_back(reopened, keys)
     reopened.close()
+
+
+@pytest.mark.parametrize("write_back", [True, False], ids=["write-back", "sync"])
+def test_admitted_blocks_outlive_a_disk_filling_with_blocks_not_reused(
+    tmp_path: Path, write_back: bool
+) -> None:
+    """Admitted blocks go into disk segments of their own: later stores (sent on while
+    what they evict holds nothing reused) push out the blocks stored beside them
+    before, never the admitted ones."""
+    segment = 16 * SIZE
+    second = DiskTier(
+        DiskConfig(path=tmp_path / "disk", capacity_bytes=4 * segment, segment_bytes=segment)
+    )
+    first = CpuTier(CpuConfig(capacity_bytes=64 * SIZE, pin_memory=False))
+    store = TieredStore([first, second], admission=Admission.REUSED, write_back=write_back)
+    plain = [key(i) for i in range(4)]
+    store_by_put(store, plain)  # the disk has room: they go on
+    admitted = [key(100 + i) for i in range(4)]
+    assert first.put_many(admitted, [payload(k) for k in admitted]) == [PutStatus.OK] * 4
+    assert store.admit_many(admitted, [SIZE] * 4) == 4
+    assert on_disk(store, [*plain, *admitted]) == [True] * 8
+    later = [key(200 + i) for i in range(64)]  # four disks' worth of segments
+    for start in range(0, len(later), 4):
+        store_by_put(store, later[start : start + 4])
+        assert store.flush(30)
+    assert on_disk(store, admitted) == [True] * 4
+    assert on_disk(store, plain) == [False] * 4
+    assert_reads_back(second, admitted)
+    assert second.stats().evictions > 0
+    store.check_integrity()
+    store.close()

@@ -71,10 +71,15 @@ def test_a_full_disk_takes_stores_while_its_victim_holds_nothing_reused(tmp_path
     while second.usage().used_bytes < CAPACITY:
         put(second, f"fill/{i}", 64 << 10)
         i += 1
+    fill = [StoreKey(f"test/room/fill/{j}") for j in range(i)]
     assert second.next_victim_reused() is False
     assert room.take(1)  # full, but evicting takes nothing reused: as plain recency
     second.note_reused_many(oldest[-1:])  # one reused object makes its segment kept
+    assert second.next_victim_reused() is False  # a segment holding nothing reused is next
+    assert room.take(1)
+    second.note_reused_many(fill)  # now every segment holds one
     assert second.next_victim_reused() is True
+    clock.now = 1.0
     assert not room.take(1)
     second.close()
     first.close()
