@@ -154,7 +154,7 @@ class SegmentDirectory:
         if header.size > min(max(os.fstat(fd).st_size, self.capacity_bytes), MAX_OFFSET):
             os.close(fd)  # restoring that size would fill the disk, or fail
             return "header claims more bytes than the file and the capacity (or 16 TiB)"
-        segment = Segment(header, path, fd, sealed=header.sealed)
+        segment = Segment(header, path, fd, sealed=header.sealed, reused=header.reused)
         segment.ready.set()
         return segment
 
@@ -303,11 +303,20 @@ class SegmentDirectory:
     def seal(self, segment: Segment) -> None:
         """Tell read-only instances no slot of this segment will be filled any more."""
         try:
-            segments.write_sealed_flag(segment.fd)
+            segments.write_flags(segment.fd, sealed=True, reused=segment.reused)
         except OSError as exc:
             self.log.warning("seal", "sealing %s: %s", segment.path, exc)
         segment.sealed = True
         self.touch(segment, again=True)
+
+    def mark_reused(self, segment: Segment) -> None:
+        """``table.mark_reused``, kept in the header for a restarted writer (best effort:
+        a mark lost to an error only makes the segment evicted sooner)."""
+        if self.table.mark_reused(segment) and segment.fd >= 0 and not segment.failed:
+            try:
+                segments.write_flags(segment.fd, sealed=segment.sealed, reused=True)
+            except OSError as exc:
+                self.log.warning("mark", "marking %s reused: %s", segment.path, exc)
 
     def damaged(
         self,

@@ -53,7 +53,8 @@ class Segment:
     mtime_ns: int = 0
     """Writer: its last use, as stamped on the file."""
     reused: bool = False
-    """Holds an object noted reused (``SegmentTable.mark_reused``); in memory only."""
+    """Holds an object noted reused (``SegmentTable.mark_reused``; the header's flag on
+    disk)."""
     reuse: Segment | None = None
     """While opening: the evicted segment whose file this one takes over."""
     reuse_seq: int = 0

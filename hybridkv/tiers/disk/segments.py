@@ -12,8 +12,10 @@ files and reuses a whole file when it evicts one. A segment file is named
     [data_offset, size)     payloads, each starting on a 4096-byte boundary
 
 Segment header (little endian): magic ``b"HKVS"`` | u16 version | u16 flags
-(bit 0: sealed, no slot will be filled any more) | u64 seq | u64 size |
-u64 num_slots | u64 data_offset.
+(bit 0: sealed, no slot will be filled any more; bit 1: reused, it holds an
+object admitted as likely to be read again, evicted after the others) | u64
+seq | u64 size | u64 num_slots | u64 data_offset. Readers ignore flag bits
+they do not know.
 
 Slot: magic ``b"HKVR"`` | u16 state (1 live, 2 dead) | u16 reserved | u64
 seq | u64 payload offset, followed by the codec header of the payload
@@ -47,6 +49,7 @@ SEGMENT_MAGIC = b"HKVS"
 SLOT_MAGIC = b"HKVR"
 VERSION = 1
 FLAG_SEALED = 1
+FLAG_REUSED = 2
 _SEGMENT_HEADER = struct.Struct("<4sHHQQQQ")
 _FRAME = struct.Struct("<4sHHQQ")
 SLOT_BYTES = _FRAME.size + HEADER_BYTES
@@ -105,9 +108,10 @@ class SegmentHeader(NamedTuple):
     num_slots: int
     data_offset: int
     sealed: bool
+    reused: bool = False
 
     def pack(self) -> bytes:
-        flags = FLAG_SEALED if self.sealed else 0
+        flags = header_flags(sealed=self.sealed, reused=self.reused)
         raw = _SEGMENT_HEADER.pack(
             SEGMENT_MAGIC, VERSION, flags, self.seq, self.size, self.num_slots, self.data_offset
         )
@@ -132,7 +136,8 @@ def read_segment_header(fd: int) -> SegmentHeader | str:
         return "inconsistent segment geometry"
     if data_offset % PAGE or size % PAGE:
         return "inconsistent segment geometry"
-    return SegmentHeader(seq, size, num_slots, data_offset, bool(flags & FLAG_SEALED))
+    sealed, reused = bool(flags & FLAG_SEALED), bool(flags & FLAG_REUSED)
+    return SegmentHeader(seq, size, num_slots, data_offset, sealed, reused)
 
 
 def open_segment_file(path: str, seq: int, *, writable: bool) -> tuple[int, SegmentHeader] | str:
@@ -191,8 +196,13 @@ def list_root(root: Path, *, keep: frozenset[str] = frozenset()) -> RootListing:
     return listing
 
 
-def write_sealed_flag(fd: int) -> None:
-    os.pwrite(fd, struct.pack("<H", FLAG_SEALED), 6)
+def header_flags(*, sealed: bool, reused: bool) -> int:
+    return (FLAG_SEALED if sealed else 0) | (FLAG_REUSED if reused else 0)
+
+
+def write_flags(fd: int, *, sealed: bool, reused: bool) -> None:
+    """Rewrite a segment header's flags (both: the caller knows the segment's state)."""
+    os.pwrite(fd, struct.pack("<H", header_flags(sealed=sealed, reused=reused)), 6)
 
 
 def pack_slot(seq: int, offset: int, state: SlotState, codec_header: bytes) -> bytes:

@@ -69,6 +69,8 @@ class SegmentTable:
             self._numbered.append(segment)
         self.segments[segment.seq] = segment
         self.allocated += segment.size
+        if segment.reused:
+            self.reused_bytes += segment.size
 
     def holds(self, segment: Segment) -> bool:
         return self.segments.get(segment.seq) is segment
@@ -230,14 +232,14 @@ class SegmentTable:
             self.evict(victim)
             victims.append(victim)
         seq, self.next_seq = self.next_seq, self.next_seq + 1
-        header = SegmentHeader(seq, geometry.size, geometry.num_slots, geometry.data_offset, False)
-        segment = Segment(header, self.paths.segment(seq))
+        header = SegmentHeader(
+            seq, geometry.size, geometry.num_slots, geometry.data_offset, False, reused
+        )
+        segment = Segment(header, self.paths.segment(seq), reused=reused)
         segment.cursor = geometry.data_offset
         if victims:
             segment.reuse, segment.reuse_seq = victims[0], victims[0].seq  # its file is ours
         self._hold(segment)
-        if reused:
-            self.mark_reused(segment)
         work.to_open.append(segment)
         work.discarded.extend(victims[1:])
         return segment
@@ -289,11 +291,14 @@ class SegmentTable:
             self.changes.removed_digests(b"".join(self.index.digest(int(r)) for r in rows))
         self.index.remove(rows)
 
-    def mark_reused(self, segment: Segment) -> None:
-        """``segment`` holds an object admitted as reused (a held one only)."""
-        if not segment.reused and self.holds(segment):
-            segment.reused = True
-            self.reused_bytes += segment.size
+    def mark_reused(self, segment: Segment) -> bool:
+        """``segment`` holds an object admitted as reused; whether that is new (a held
+        segment only)."""
+        if segment.reused or not self.holds(segment):
+            return False
+        segment.reused = True
+        self.reused_bytes += segment.size
+        return True
 
     def victim(self) -> Segment | None:
         """The idle segment to evict next: the least recently used holding nothing

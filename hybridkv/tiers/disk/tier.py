@@ -129,7 +129,7 @@ class DiskTier(Tier):
             self._check_open()
             rows = [row for row in self._table.index.find(digests).tolist() if row >= 0]
             for segment in self._table.segments_at(rows):
-                self._table.mark_reused(segment)
+                self._dir.mark_reused(segment)
 
     def next_victim_reused(self) -> bool | None:
         """Whether the segment this tier evicts next holds an object noted reused."""

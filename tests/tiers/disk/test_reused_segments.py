@@ -1,0 +1,81 @@
+"""DiskTier keeps objects admitted as reused in segments of their own, evicts those
+segments after every other, and keeps the mark in the segment header across restarts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, Tier
+from hybridkv.tiers.codec import key_digest
+from hybridkv.tiers.disk import segments
+from hybridkv.tiers.disk.tier import DiskTier
+from tests.tiers.disk.test_tier import disk_tier, get_one, key, payload, segment_bytes
+
+OBJECT = 8192
+PER_SEGMENT = 2
+SEGMENT = segment_bytes(PER_SEGMENT, OBJECT)
+
+
+def tier(root: Path) -> DiskTier:
+    return disk_tier(root, 4 * SEGMENT, segment_bytes=SEGMENT)
+
+
+def keys(name: str, count: int = PER_SEGMENT) -> list[StoreKey]:
+    return [key(f"{name}/{i}") for i in range(count)]
+
+
+def put(disk: Tier, batch: list[StoreKey], *, reused: bool = False) -> None:
+    buffers = [payload(k, OBJECT) for k in batch]
+    put_many = disk.put_reused_many if reused else disk.put_many
+    assert put_many(batch, buffers) == [PutStatus.OK] * len(batch)
+
+
+def flag_of(root: Path, k: StoreKey) -> bool:
+    """Whether the header of the segment holding ``k`` says reused."""
+    digest = key_digest(k).hex()
+    (found,) = [r for r in segments.iter_records(root) if r.digest == digest]
+    fd = os.open(found.path, os.O_RDONLY)
+    try:
+        header = segments.read_segment_header(fd)
+    finally:
+        os.close(fd)
+    assert isinstance(header, segments.SegmentHeader), header
+    return header.reused
+
+
+def test_reused_objects_get_segments_of_their_own_marked_on_disk(tmp_path: Path) -> None:
+    plain, reused = keys("plain", 1), keys("reused", 1)
+    with tier(tmp_path) as disk:
+        put(disk, plain)
+        put(disk, reused, reused=True)  # the plain segment has room left: not used
+        assert not flag_of(tmp_path, plain[0]) and flag_of(tmp_path, reused[0])
+        put(disk, keys("more plain", 1))  # fills the plain segment
+        assert not flag_of(tmp_path, plain[0])
+        assert disk.next_victim_reused() is False
+        disk.note_reused_many(plain)  # stored before as not reused: its segment is marked
+        assert flag_of(tmp_path, plain[0])
+        assert disk.next_victim_reused() is True
+        disk.check_integrity()
+
+
+def test_a_restarted_tier_evicts_unmarked_segments_first(tmp_path: Path) -> None:
+    oldest, reused = keys("oldest"), keys("reused")
+    with tier(tmp_path) as disk:
+        put(disk, oldest)
+        disk.note_reused_many(oldest)
+        put(disk, reused, reused=True)
+    with tier(tmp_path) as disk:  # the marks come back from the headers
+        assert disk.next_victim_reused() is True
+        later = keys("later", 4 * PER_SEGMENT)
+        for start in range(0, len(later), PER_SEGMENT):
+            put(disk, later[start : start + PER_SEGMENT])
+        assert disk.stats().evictions > 0
+        assert disk.contains_many([*oldest, *reused]) == [True] * 2 * PER_SEGMENT
+        assert disk.contains_many(later[:PER_SEGMENT]) == [False] * PER_SEGMENT
+        for k in [*oldest, *reused]:
+            status, out = get_one(disk, k, OBJECT)
+            assert status is GetStatus.OK and (out == payload(k, OBJECT)).all()
+        disk.check_integrity()
+    with tier(tmp_path):  # the seal at take-over kept the flags
+        assert flag_of(tmp_path, oldest[0]) and flag_of(tmp_path, reused[0])
