@@ -134,14 +134,14 @@ class SegmentDirectory:
 
     def take_over(self) -> None:
         """The writer's start: old segments are never appended to again, and a
-        capacity smaller than what is on disk evicts the oldest."""
+        capacity smaller than what is on disk evicts as a put would (``table.victim``)."""
         for segment in self.table.segments.values():
             self.table.supersede(segment)
             self.restore_size(segment)
             if not segment.sealed:
                 self.seal(segment)
         while self.table.allocated > self.capacity_bytes and self.table.segments:
-            victim = next(iter(self.table.segments.values()))
+            victim = self.table.victim() or next(iter(self.table.segments.values()))
             self.table.evict(victim)
             self.discard_file(victim)
 

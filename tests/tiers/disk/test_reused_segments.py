@@ -79,3 +79,14 @@ def test_a_restarted_tier_evicts_unmarked_segments_first(tmp_path: Path) -> None
         disk.check_integrity()
     with tier(tmp_path):  # the seal at take-over kept the flags
         assert flag_of(tmp_path, oldest[0]) and flag_of(tmp_path, reused[0])
+
+
+def test_a_smaller_capacity_at_restart_evicts_unmarked_segments_first(tmp_path: Path) -> None:
+    reused, plain = keys("reused"), keys("plain", 2 * PER_SEGMENT)
+    with tier(tmp_path) as disk:
+        put(disk, reused, reused=True)  # the oldest segment
+        put(disk, plain)
+    with disk_tier(tmp_path, 2 * SEGMENT, segment_bytes=SEGMENT) as disk:
+        assert disk.contains_many(reused) == [True] * PER_SEGMENT
+        assert disk.contains_many(plain) == [False] * PER_SEGMENT + [True] * PER_SEGMENT
+        disk.check_integrity()
