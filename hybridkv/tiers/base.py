@@ -240,11 +240,13 @@ class Tier(abc.ABC):
 
     def note_reused_many(self, keys: Sequence[StoreKey]) -> None:
         """These stored keys were admitted as likely to be read again (``Admission.REUSED``);
-        a tier that can tell its next victim remembers it there. The default ignores it."""
+        a tier that can keep them from being evicted for others remembers it. The default
+        ignores it."""
 
-    def next_victim_reused(self) -> bool | None:
-        """Whether what this tier evicts next to make room holds an object noted reused;
-        None (the default): the tier cannot tell (a server evicts by its own rule)."""
+    def evicts_reused(self, num_bytes: int) -> bool | None:
+        """Whether storing ``num_bytes`` more, not admitted as reused, would evict (or be
+        refused for) an object noted reused; None (the default): the tier cannot tell (a
+        server evicts by its own rule)."""
         return None
 
     @abc.abstractmethod

@@ -98,14 +98,14 @@ def disk_config(config: ConnectorConfig) -> DiskConfig:
 def fill_disk(disk: Tier) -> None:
     """Write filler objects into a live disk tier until it has no free room left, noted
     reused, so ``admission: reused`` holds back what is not reused
-    (``tiers.tiered.room``; the marks live in that instance's memory)."""
+    (``tiers.tiered.room``; the marks are kept in the segment headers)."""
     filler = np.zeros(4096, np.uint8)
     keys: list[StoreKey] = []
     for i in range(1 << 16):
         usage = disk.usage()
         if usage.capacity_bytes is not None and usage.used_bytes >= usage.capacity_bytes:
             disk.note_reused_many(keys)
-            assert disk.next_victim_reused() is True
+            assert disk.evicts_reused(1) is True
             return
         keys.append(StoreKey(f"test/filler/{i}"))
         assert disk.put_many(keys[-1:], [filler]) == [PutStatus.OK]

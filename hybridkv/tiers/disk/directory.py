@@ -134,14 +134,14 @@ class SegmentDirectory:
 
     def take_over(self) -> None:
         """The writer's start: old segments are never appended to again, and a
-        capacity smaller than what is on disk evicts as a put would (``table.victim``)."""
+        capacity smaller than what is on disk evicts as a put of reused objects would
+        (``table.victims``: segments holding none first)."""
         for segment in self.table.segments.values():
             self.table.supersede(segment)
             self.restore_size(segment)
             if not segment.sealed:
                 self.seal(segment)
-        while self.table.allocated > self.capacity_bytes and self.table.segments:
-            victim = self.table.victim() or next(iter(self.table.segments.values()))
+        for victim in self.table.victims(0, reused=True) or []:
             self.table.evict(victim)
             self.discard_file(victim)
 

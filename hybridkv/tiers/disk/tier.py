@@ -122,8 +122,8 @@ class DiskTier(Tier):
         return [row >= 0 for row in rows]
 
     def note_reused_many(self, keys: Sequence[StoreKey]) -> None:
-        """Mark the segments holding these keys: admission keeps them from being the
-        victim of a store that was not reused (``tiers.tiered.room``)."""
+        """Mark the segments holding these keys: no store that was not reused evicts
+        them (``SegmentTable.victims``)."""
         digests = digest_words(key_digests(keys))
         with self._lock:
             self._check_open()
@@ -131,12 +131,14 @@ class DiskTier(Tier):
             for segment in self._table.segments_at(rows):
                 self._dir.mark_reused(segment)
 
-    def next_victim_reused(self) -> bool | None:
-        """Whether the segment this tier evicts next holds an object noted reused."""
+    def evicts_reused(self, num_bytes: int) -> bool | None:
+        """Whether ``num_bytes`` more objects not reused find no room without evicting a
+        segment that holds an object noted reused (or one busy): then they are refused."""
         with self._lock:
             self._check_open()
-            victim = self._table.victim()
-            return victim is not None and victim.reused
+            per_segment = self._table.geometry.data_bytes
+            segments = -(-num_bytes // per_segment) * self._table.geometry.size
+            return self._table.victims(segments, reused=False) is None
 
     def _any_lost(self, rows: list[int]) -> bool:
         """Drop the segments of these index rows whose files were removed from outside."""

@@ -9,7 +9,7 @@ is read at most once per ``refresh_s`` (a pool answers over the network), and
 the bytes sent since are counted against it here (a write-back queue may not
 have written them yet). Once a tier is full, a batch still goes on where what
 it would evict there holds nothing admitted as reused
-(``Tier.next_victim_reused``, False): evicting one unreused block for another
+(``Tier.evicts_reused``, False): evicting one unreused block for another
 is plain recency, which admission must not lose to. A tier that cannot tell
 its capacity or its victim (Mooncake; Valkey without ``maxmemory``, or full)
 takes only reused blocks.
@@ -44,30 +44,37 @@ class SlowerRoom:
         self._refresh_s = refresh_s
         self._clock = clock
         self._free: list[int | None] = []
-        """Bytes each slower tier can still take (None: unknown), as last read, less
-        what was sent since."""
+        """Bytes each slower tier could take without evicting (None: unknown), as last
+        read."""
+        self._sent = 0
+        """Bytes sent on since (a write-back queue may not have written them yet)."""
         self._read_at: float | None = None
         self._lock = threading.Lock()
 
     def take(self, num_bytes: int) -> bool:
-        """True when every slower tier has room for ``num_bytes`` (counted as sent), or
-        would make it by evicting nothing admitted as reused."""
+        """True when every slower tier has room for ``num_bytes`` besides what was sent
+        since its usage was read, or would make it by evicting nothing admitted as
+        reused; the bytes then count as sent."""
         with self._lock:
             now = self._clock()
             if self._read_at is None or now - self._read_at >= self._refresh_s:
                 self._free = [self._read_free(i) for i in range(1, len(self._tiers))]
+                self._sent = 0
                 self._read_at = now
             if not self._free:
                 return False
-            if any(free is None or free < num_bytes for free in self._free):
-                return self._victims_unreused()
-            self._free = [None if free is None else free - num_bytes for free in self._free]
+            wanted = self._sent + num_bytes
+            if any(free is None or free < wanted for free in self._free):
+                if not self._victims_unreused(wanted):
+                    return False
+            self._sent = wanted
             return True
 
-    def _victims_unreused(self) -> bool:
+    def _victims_unreused(self, num_bytes: int) -> bool:
         for index in range(1, len(self._tiers)):
-            victim = self._guard.call(index, "victim", None, self._tiers[index].next_victim_reused)
-            if victim is not False:
+            tier = self._tiers[index]
+            evicts = self._guard.call(index, "victim", None, tier.evicts_reused, num_bytes)
+            if evicts is not False:
                 return False
         return True
 

@@ -52,10 +52,12 @@ def test_reused_objects_get_segments_of_their_own_marked_on_disk(tmp_path: Path)
         assert not flag_of(tmp_path, plain[0]) and flag_of(tmp_path, reused[0])
         put(disk, keys("more plain", 1))  # fills the plain segment
         assert not flag_of(tmp_path, plain[0])
-        assert disk.next_victim_reused() is False
+        three = 3 * PER_SEGMENT * OBJECT  # two free segments and the plain one
+        assert disk.evicts_reused(three) is False
         disk.note_reused_many(plain)  # stored before as not reused: its segment is marked
         assert flag_of(tmp_path, plain[0])
-        assert disk.next_victim_reused() is True
+        assert disk.evicts_reused(three) is True
+        assert disk.evicts_reused(2 * PER_SEGMENT * OBJECT) is False
         disk.check_integrity()
 
 
@@ -66,7 +68,7 @@ def test_a_restarted_tier_evicts_unmarked_segments_first(tmp_path: Path) -> None
         disk.note_reused_many(oldest)
         put(disk, reused, reused=True)
     with tier(tmp_path) as disk:  # the marks come back from the headers
-        assert disk.next_victim_reused() is True
+        assert disk.evicts_reused(3 * PER_SEGMENT * OBJECT) is True  # two segments free
         later = keys("later", 4 * PER_SEGMENT)
         for start in range(0, len(later), PER_SEGMENT):
             put(disk, later[start : start + PER_SEGMENT])
@@ -85,7 +87,8 @@ def test_a_smaller_capacity_at_restart_evicts_unmarked_segments_first(tmp_path: 
     reused, plain = keys("reused"), keys("plain", 2 * PER_SEGMENT)
     with tier(tmp_path) as disk:
         put(disk, reused, reused=True)  # the oldest segment
-        put(disk, plain)
+        put(disk, plain[:PER_SEGMENT])  # one put per segment: their order is known
+        put(disk, plain[PER_SEGMENT:])
     with disk_tier(tmp_path, 2 * SEGMENT, segment_bytes=SEGMENT) as disk:
         assert disk.contains_many(reused) == [True] * PER_SEGMENT
         assert disk.contains_many(plain) == [False] * PER_SEGMENT + [True] * PER_SEGMENT

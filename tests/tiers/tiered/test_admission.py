@@ -40,9 +40,9 @@ def fill(second: DiskTier) -> None:
     filler = key(1000)
     assert second.put_many([filler], [payload(filler)]) == [PutStatus.OK]
     assert second.usage().used_bytes == second.usage().capacity_bytes
-    assert second.next_victim_reused() is False
+    assert second.evicts_reused(1) is False
     second.note_reused_many([filler])
-    assert second.next_victim_reused() is True
+    assert second.evicts_reused(1) is True
 
 
 def make_store(

@@ -63,7 +63,9 @@ def test_sent_bytes_count_until_the_next_read(tmp_path: Path) -> None:
     first.close()
 
 
-def test_a_full_disk_takes_stores_while_its_victim_holds_nothing_reused(tmp_path: Path) -> None:
+def test_a_full_disk_takes_stores_while_what_they_evict_holds_nothing_reused(
+    tmp_path: Path,
+) -> None:
     clock = Clock()
     room, second, first = room_over_disk(tmp_path, clock)
     oldest = [put(second, f"old/{i}", 64 << 10) for i in range(15)]  # the first segment
@@ -72,13 +74,17 @@ def test_a_full_disk_takes_stores_while_its_victim_holds_nothing_reused(tmp_path
         put(second, f"fill/{i}", 64 << 10)
         i += 1
     fill = [StoreKey(f"test/room/fill/{j}") for j in range(i)]
-    assert second.next_victim_reused() is False
+    assert second.evicts_reused(1) is False
     assert room.take(1)  # full, but evicting takes nothing reused: as plain recency
     second.note_reused_many(oldest[-1:])  # one reused object makes its segment kept
-    assert second.next_victim_reused() is False  # a segment holding nothing reused is next
+    assert second.evicts_reused(1) is False  # a segment holding nothing reused is next
     assert room.take(1)
+    # The other three segments: as many segments' data areas (less than a segment each).
+    assert second.evicts_reused(CAPACITY - 2 * SEGMENT) is False
+    assert second.evicts_reused(CAPACITY - SEGMENT) is True
+    assert not room.take(CAPACITY)  # a batch bigger than what may be evicted for it
     second.note_reused_many(fill)  # now every segment holds one
-    assert second.next_victim_reused() is True
+    assert second.evicts_reused(1) is True
     clock.now = 1.0
     assert not room.take(1)
     second.close()
