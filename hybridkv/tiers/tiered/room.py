@@ -64,9 +64,9 @@ class SlowerRoom:
             if not self._free:
                 return False
             wanted = self._sent + num_bytes
-            if any(free is None or free < wanted for free in self._free):
-                if not self._victims_unreused(wanted):
-                    return False
+            short = any(free is None or free < wanted for free in self._free)
+            if short and not self._victims_unreused(wanted):
+                return False
             self._sent = wanted
             return True
 
