@@ -134,14 +134,14 @@ class SegmentDirectory:
 
     def take_over(self) -> None:
         """The writer's start: old segments are never appended to again, and a
-        capacity smaller than what is on disk evicts as a put of reused objects would
-        (``table.victims``: segments holding none first)."""
+        capacity smaller than what is on disk evicts as a put would (``table.victims``:
+        segments holding nothing reused first)."""
         for segment in self.table.segments.values():
             self.table.supersede(segment)
             self.restore_size(segment)
             if not segment.sealed:
                 self.seal(segment)
-        for victim in self.table.victims(0, reused=True) or []:
+        for victim in self.table.victims(0) or []:
             self.table.evict(victim)
             self.discard_file(victim)
 

@@ -6,8 +6,7 @@ A put reserves a slot and a page-aligned data range in an active segment
 (one for objects admitted as reused, one for the rest, so that the two never
 share a segment); a new segment first evicts idle segments and hands the
 first victim's file over for reuse. Victims come least recently used first,
-segments holding nothing reused before any that holds some, which only a
-store of reused objects evicts. Objects are found
+segments holding nothing reused before any that holds some. Objects are found
 by key digest in a ``DigestIndex`` (numpy rows, no Python object per object);
 each segment keeps the index row of each of its slots, to forget them all
 when it goes. The records themselves: ``disk.records``.
@@ -224,8 +223,8 @@ class SegmentTable:
     def _new_segment(self, geometry: Geometry, work: FileWork, reused: bool) -> Segment | None:
         if geometry.size > min(self.capacity_bytes, MAX_OFFSET):
             return None
-        victims = self.victims(geometry.size, reused=reused)
-        if victims is None:  # the rest is busy, or reused and this store is not
+        victims = self.victims(geometry.size)
+        if victims is None:  # the rest is busy: no room now
             return None
         for victim in victims:
             self.evict(victim)
@@ -298,21 +297,21 @@ class SegmentTable:
         self.reused_bytes += segment.size
         return True
 
-    def victims(self, num_bytes: int, *, reused: bool) -> list[Segment] | None:
+    def victims(self, num_bytes: int) -> list[Segment] | None:
         """The idle segments to evict for ``num_bytes`` more (none while free room is
-        left), least recently used first among those holding nothing reused, then, for
-        a store of objects admitted as reused, among the rest; None when those are too
-        few: a store not reused never evicts a segment that holds a reused object.
-        (Segmented LRU without a cap on the protected part: in
+        left): least recently used first among those holding nothing reused, then among
+        the rest; None when too few are idle. Admission sends a store that was not
+        reused on only where this picks no marked segment (``DiskTier.evicts_reused``);
+        one that comes anyway (``admission: all``, marks left from an earlier run) still
+        finds room. (Segmented LRU without a cap on the protected part: in
         ``benchmarks/bench_eviction.py`` a part kept for first sightings lost more reused
         hits than it won second sightings.)"""
         needed = self.allocated + num_bytes - self.capacity_bytes
         if needed <= 0:
             return []
         idle = [segment for segment in self.segments.values() if segment.idle]
-        order = [s for s in idle if not s.reused] + ([s for s in idle if s.reused] * reused)
         picked: list[Segment] = []
-        for segment in order:
+        for segment in [s for s in idle if not s.reused] + [s for s in idle if s.reused]:
             if needed <= 0:
                 break
             picked.append(segment)

@@ -122,8 +122,8 @@ class DiskTier(Tier):
         return [row >= 0 for row in rows]
 
     def note_reused_many(self, keys: Sequence[StoreKey]) -> None:
-        """Mark the segments holding these keys: no store that was not reused evicts
-        them (``SegmentTable.victims``)."""
+        """Mark the segments holding these keys: they are evicted after all others, and
+        admission sends no store that was not reused on where it would evict them."""
         digests = digest_words(key_digests(keys))
         with self._lock:
             self._check_open()
@@ -132,13 +132,13 @@ class DiskTier(Tier):
                 self._dir.mark_reused(segment)
 
     def evicts_reused(self, num_bytes: int) -> bool | None:
-        """Whether ``num_bytes`` more objects not reused find no room without evicting a
-        segment that holds an object noted reused (or one busy): then they are refused."""
+        """Whether ``num_bytes`` more find no room without evicting a segment that holds
+        an object noted reused (or without waiting for busy ones)."""
         with self._lock:
             self._check_open()
-            per_segment = self._table.geometry.data_bytes
-            segments = -(-num_bytes // per_segment) * self._table.geometry.size
-            return self._table.victims(segments, reused=False) is None
+            geometry = self._table.geometry  # whole segments, each of one data area
+            victims = self._table.victims(-(-num_bytes // geometry.data_bytes) * geometry.size)
+            return victims is None or any(victim.reused for victim in victims)
 
     def _any_lost(self, rows: list[int]) -> bool:
         """Drop the segments of these index rows whose files were removed from outside."""

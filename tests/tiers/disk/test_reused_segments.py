@@ -10,7 +10,7 @@ from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, Tier
 from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.disk import segments
 from hybridkv.tiers.disk.tier import DiskTier
-from tests.tiers.disk.test_tier import disk_tier, get_one, key, payload, segment_bytes
+from tests.support.disk import disk_tier, get_one, key, payload, segment_bytes
 
 OBJECT = 8192
 PER_SEGMENT = 2
@@ -92,4 +92,20 @@ def test_a_smaller_capacity_at_restart_evicts_unmarked_segments_first(tmp_path: 
     with disk_tier(tmp_path, 2 * SEGMENT, segment_bytes=SEGMENT) as disk:
         assert disk.contains_many(reused) == [True] * PER_SEGMENT
         assert disk.contains_many(plain) == [False] * PER_SEGMENT + [True] * PER_SEGMENT
+        disk.check_integrity()
+
+
+def test_a_disk_full_of_marked_segments_still_takes_stores(tmp_path: Path) -> None:
+    """With ``admission: all`` (or marks left from an earlier run) nothing asks first:
+    a store evicts the oldest marked segment rather than being refused for ever."""
+    marked = keys("marked", 4 * PER_SEGMENT)
+    with tier(tmp_path) as disk:
+        for start in range(0, len(marked), PER_SEGMENT):
+            put(disk, marked[start : start + PER_SEGMENT], reused=True)
+        assert disk.usage().used_bytes == disk.usage().capacity_bytes
+        assert disk.evicts_reused(1) is True
+        put(disk, keys("plain"))
+        assert disk.contains_many(marked[:PER_SEGMENT]) == [False] * PER_SEGMENT
+        assert disk.contains_many(marked[PER_SEGMENT:]) == [True] * 3 * PER_SEGMENT
+        assert disk.evicts_reused(1) is False  # the plain segment goes next
         disk.check_integrity()

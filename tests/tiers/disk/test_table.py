@@ -109,7 +109,7 @@ def test_segments_holding_reused_objects_are_evicted_after_all_others() -> None:
     put(t, "p0a")
     put(t, "p0b")
     assert t.allocated == t.capacity_bytes and t.reused_bytes == 3 * SEGMENT.size
-    victims = t.victims(SEGMENT.size, reused=True)
+    victims = t.victims(SEGMENT.size)
     assert victims is not None and [v.seq for v in victims] == [segment_of(t, "p0a")]
     put(t, "p1")  # a plain store evicts the plain segment
     assert t.entry(digest("p0a")) is None and t.entry(digest("r0a")) is not None
@@ -122,27 +122,30 @@ def test_segments_holding_reused_objects_are_evicted_after_all_others() -> None:
     t.check()
 
 
-def test_a_plain_store_never_evicts_a_reused_segment() -> None:
+def test_reused_segments_go_last_and_only_idle_ones_go() -> None:
     t = table(3)
     for name in ("r1", "r2", "p1", "p2", "r3", "r4"):
         put(t, name, reused=name.startswith("r"))
-    assert t.victims(SEGMENT.size, reused=False) is not None
-    assert t.victims(2 * SEGMENT.size, reused=False) is None  # only one plain segment
-    victims = t.victims(2 * SEGMENT.size, reused=True)
+    victims = t.victims(2 * SEGMENT.size)
     assert victims is not None
     assert [v.seq for v in victims] == [segment_of(t, "p1"), segment_of(t, "r1")]
     for name in ("p3", "p4", "p5", "p6"):  # plain ones evict plain ones, oldest first
         reserved, _ = put(t, name)
         assert isinstance(reserved, Reservation) and not reserved.segment.reused
     assert [t.entry(digest(name)) is None for name in ("p1", "p3", "p5")] == [1, 1, 0]
-    t.segments[segment_of(t, "p5")].pending += 1  # busy: no plain segment is idle
-    assert t.victims(SEGMENT.size, reused=False) is None
-    assert put(t, "p7")[0] == "full"  # the rest hold reused objects: none evicted
-    assert t.entry(digest("r1")) is not None
-    t.segments[segment_of(t, "p5")].pending -= 1
-    reserved, _ = put(t, "r5", reused=True)  # a reused store evicts the plain one first
+    t.segments[segment_of(t, "p5")].pending += 1  # busy: the reused ones go next
+    victims = t.victims(SEGMENT.size)
+    assert victims is not None and [v.seq for v in victims] == [segment_of(t, "r1")]
+    t.segments[segment_of(t, "r1")].readers += 1
+    t.segments[segment_of(t, "r3")].readers += 1
+    assert t.victims(SEGMENT.size) is None  # every segment busy
+    assert put(t, "p7")[0] == "full"  # and nothing was evicted for it
+    assert t.entry(digest("r1")) is not None and t.entry(digest("p5")) is not None
+    for name, busy in (("p5", "pending"), ("r1", "readers"), ("r3", "readers")):
+        setattr(t.segments[segment_of(t, name)], busy, 0)
+    reserved, _ = put(t, "p7")  # the plain segment again, not a marked one
     assert isinstance(reserved, Reservation) and t.entry(digest("p5")) is None
-    assert t.reused_bytes == t.allocated and t.entry(digest("r1")) is not None
+    assert t.entry(digest("r1")) is not None
     t.check()
 
 
