@@ -36,7 +36,7 @@ from hybridkv.tiers.disk.files import (
 )
 from hybridkv.tiers.disk.index import MAX_OFFSET
 from hybridkv.tiers.disk.paths import DiskPaths, is_temp, segment_seq
-from hybridkv.tiers.disk.records import Entry, Segment
+from hybridkv.tiers.disk.records import Entry, FileWork, Segment
 from hybridkv.tiers.disk.scan import ScanReport, SlotScan, scan_slots
 from hybridkv.tiers.disk.segments import SLOT_BYTES, SlotState, slot_offset
 from hybridkv.tiers.disk.table import SegmentTable
@@ -115,22 +115,14 @@ class SegmentDirectory:
         if num_bad or num_bad_slots or num_temp:
             logger.warning(
                 "disk tier %s: start-up scan found %d bad files and %d damaged objects, "
-                "removed %d temp files",
-                self.name,
-                num_bad,
-                num_bad_slots,
-                num_temp,
-            )
+                "removed %d temp files", self.name, num_bad, num_bad_slots, num_temp,
+            )  # fmt: skip
         self.last_refresh = time.monotonic()
         table = self.table
         return ScanReport(
-            len(table.index),
-            table.allocated,
-            len(table.segments),
-            num_bad + num_bad_slots,
-            num_temp,
-            table.num_evicted,
-        )
+            len(table.index), table.allocated, len(table.segments), num_bad + num_bad_slots,
+            num_temp, table.num_evicted,
+        )  # fmt: skip
 
     def take_over(self) -> None:
         """The writer's start: old segments are never appended to again, and a
@@ -154,7 +146,9 @@ class SegmentDirectory:
         if header.size > min(max(os.fstat(fd).st_size, self.capacity_bytes), MAX_OFFSET):
             os.close(fd)  # restoring that size would fill the disk, or fail
             return "header claims more bytes than the file and the capacity (or 16 TiB)"
-        segment = Segment(header, path, fd, sealed=header.sealed, reused=header.reused)
+        segment = Segment(
+            header, path, fd, sealed=header.sealed, reused=header.reused, hit=header.hit
+        )
         segment.ready.set()
         return segment
 
@@ -266,14 +260,11 @@ class SegmentDirectory:
             reuse_fd, reuse.fd = reuse.fd, -1
         try:
             segment.fd = prepare_file(
-                temp,
-                segment.path,
-                size=segment.size,
-                header=segment.header.pack(),
+                temp, segment.path, size=segment.size, header=segment.header.pack(),
                 reuse=None if reuse is None else (reuse_fd, reuse.path),
                 sync_data=self.fsync is not FsyncPolicy.NEVER,
                 sync_dir=self.fsync is FsyncPolicy.ALWAYS,
-            )
+            )  # fmt: skip
         except OSError as exc:
             self.log.warning("open", "preparing %s: %s", segment.path, exc)
             segment.failed = True
@@ -289,12 +280,9 @@ class SegmentDirectory:
             if self.removed(segment):
                 return False
             segments.write_run(
-                segment.fd,
-                segment.seq,
-                run,
-                sync_data=self.fsync is not FsyncPolicy.NEVER,
+                segment.fd, segment.seq, run, sync_data=self.fsync is not FsyncPolicy.NEVER,
                 sync_slots=self.fsync is FsyncPolicy.ALWAYS,
-            )
+            )  # fmt: skip
         except OSError as exc:
             self.log.warning("write", "writing %s: %s", segment.path, exc)
             return False
@@ -302,31 +290,51 @@ class SegmentDirectory:
 
     def seal(self, segment: Segment) -> None:
         """Tell read-only instances no slot of this segment will be filled any more."""
-        try:
-            segments.write_flags(segment.fd, sealed=True, reused=segment.reused)
-        except OSError as exc:
-            self.log.warning("seal", "sealing %s: %s", segment.path, exc)
         segment.sealed = True
+        self._write_flags(segment)
         self.touch(segment, again=True)
+
+    def after_reserve(self, work: FileWork) -> None:
+        """The file work reservations left that needs the lock held: evicted files go,
+        superseded idle segments are sealed (else by the commit that idles them), and
+        segments passed over lose their hit on disk too."""
+        for segment in work.discarded:
+            self.discard_file(segment)
+        for segment in work.superseded:
+            if segment.idle and segment.fd >= 0 and not segment.sealed:
+                self.seal(segment)
+        for segment in work.passed:
+            self._write_flags(segment)
 
     def mark_reused(self, segment: Segment) -> None:
         """``table.mark_reused``, kept in the header for a restarted writer (best effort:
         a mark lost to an error only makes the segment evicted sooner)."""
-        if self.table.mark_reused(segment) and segment.fd >= 0 and not segment.failed:
-            try:
-                segments.write_flags(segment.fd, sealed=segment.sealed, reused=True)
-            except OSError as exc:
-                self.log.warning("mark", "marking %s reused: %s", segment.path, exc)
+        if self.table.mark_reused(segment):
+            self._write_flags(segment)
+
+    def used(self, segment: Segment) -> None:
+        """A get read objects of a held ``segment``: it is the most recently used, and
+        hit if it was marked reused (``table.mark_hit``, kept as ``mark_reused``)."""
+        self.table.use(segment)
+        self.touch(segment)
+        if self.table.mark_hit(segment):
+            self._write_flags(segment)
+
+    def _write_flags(self, segment: Segment) -> None:
+        """The header's flags as the segment is now (sealed, marks)."""
+        if segment.fd < 0 or segment.failed:
+            return
+        try:
+            segments.write_flags(
+                segment.fd, sealed=segment.sealed, reused=segment.reused, hit=segment.hit
+            )
+        except OSError as exc:
+            self.log.warning("flags", "writing the flags of %s: %s", segment.path, exc)
 
     def damaged(
-        self,
-        segment: Segment,
-        slot: int,
-        reason: str,
-        *,
-        digest: str = "",
+        self, segment: Segment, slot: int, reason: str, *, digest: str = "",
         entry: Entry | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """A damaged object: the writer keeps a copy in quarantine and marks its slot dead."""
         logger.warning(
             "disk tier %s: damaged object in %s slot %d: %s", self.name, segment.path, slot, reason

@@ -55,6 +55,9 @@ class Segment:
     reused: bool = False
     """Holds an object noted reused (``SegmentTable.mark_reused``; the header's flag on
     disk)."""
+    hit: bool = False
+    """Marked reused, and one of its objects was read since (``SegmentTable.mark_hit``;
+    a header flag too)."""
     reuse: Segment | None = None
     """While opening: the evicted segment whose file this one takes over."""
     reuse_seq: int = 0
@@ -71,6 +74,11 @@ class Segment:
 
     def fits(self, num_bytes: int) -> bool:
         return self.next_slot < self.header.num_slots and self.cursor + num_bytes <= self.size
+
+    @property
+    def kept(self) -> int:
+        """How long eviction keeps it: 0 (nothing reused), 1 (reused), 2 (and hit since)."""
+        return int(self.reused) + int(self.hit)
 
     @property
     def idle(self) -> bool:
@@ -128,3 +136,6 @@ class FileWork:
     """Evicted segments whose files go."""
     superseded: list[Segment] = field(default_factory=list)
     """Segments that stopped taking reservations (to seal once idle)."""
+    passed: list[Segment] = field(default_factory=list)
+    """Hit segments an eviction passed over: no longer hit (their header flags to
+    rewrite)."""

@@ -13,7 +13,8 @@ files and reuses a whole file when it evicts one. A segment file is named
 
 Segment header (little endian): magic ``b"HKVS"`` | u16 version | u16 flags
 (bit 0: sealed, no slot will be filled any more; bit 1: reused, it holds an
-object admitted as likely to be read again, evicted after the others) | u64
+object admitted as likely to be read again, evicted after the others; bit 2:
+hit, one of its objects was read after it was marked reused, evicted last) | u64
 seq | u64 size | u64 num_slots | u64 data_offset. Readers ignore flag bits
 they do not know.
 
@@ -50,6 +51,7 @@ SLOT_MAGIC = b"HKVR"
 VERSION = 1
 FLAG_SEALED = 1
 FLAG_REUSED = 2
+FLAG_HIT = 4
 _SEGMENT_HEADER = struct.Struct("<4sHHQQQQ")
 _FRAME = struct.Struct("<4sHHQQ")
 SLOT_BYTES = _FRAME.size + HEADER_BYTES
@@ -109,9 +111,10 @@ class SegmentHeader(NamedTuple):
     data_offset: int
     sealed: bool
     reused: bool = False
+    hit: bool = False
 
     def pack(self) -> bytes:
-        flags = header_flags(sealed=self.sealed, reused=self.reused)
+        flags = header_flags(sealed=self.sealed, reused=self.reused, hit=self.hit)
         raw = _SEGMENT_HEADER.pack(
             SEGMENT_MAGIC, VERSION, flags, self.seq, self.size, self.num_slots, self.data_offset
         )
@@ -136,8 +139,8 @@ def read_segment_header(fd: int) -> SegmentHeader | str:
         return "inconsistent segment geometry"
     if data_offset % PAGE or size % PAGE:
         return "inconsistent segment geometry"
-    sealed, reused = bool(flags & FLAG_SEALED), bool(flags & FLAG_REUSED)
-    return SegmentHeader(seq, size, num_slots, data_offset, sealed, reused)
+    sealed, reused, hit = (bool(flags & flag) for flag in (FLAG_SEALED, FLAG_REUSED, FLAG_HIT))
+    return SegmentHeader(seq, size, num_slots, data_offset, sealed, reused, hit)
 
 
 def open_segment_file(path: str, seq: int, *, writable: bool) -> tuple[int, SegmentHeader] | str:
@@ -196,13 +199,14 @@ def list_root(root: Path, *, keep: frozenset[str] = frozenset()) -> RootListing:
     return listing
 
 
-def header_flags(*, sealed: bool, reused: bool) -> int:
-    return (FLAG_SEALED if sealed else 0) | (FLAG_REUSED if reused else 0)
+def header_flags(*, sealed: bool, reused: bool, hit: bool) -> int:
+    flags = (FLAG_SEALED, FLAG_REUSED, FLAG_HIT)
+    return sum(flag for flag, on in zip(flags, (sealed, reused, hit), strict=True) if on)
 
 
-def write_flags(fd: int, *, sealed: bool, reused: bool) -> None:
-    """Rewrite a segment header's flags (both: the caller knows the segment's state)."""
-    os.pwrite(fd, struct.pack("<H", header_flags(sealed=sealed, reused=reused)), 6)
+def write_flags(fd: int, *, sealed: bool, reused: bool, hit: bool) -> None:
+    """Rewrite a segment header's flags (all: the caller knows the segment's state)."""
+    os.pwrite(fd, struct.pack("<H", header_flags(sealed=sealed, reused=reused, hit=hit)), 6)
 
 
 def pack_slot(seq: int, offset: int, state: SlotState, codec_header: bytes) -> bytes:

@@ -6,7 +6,8 @@ A put reserves a slot and a page-aligned data range in an active segment
 (one for objects admitted as reused, one for the rest, so that the two never
 share a segment); a new segment first evicts idle segments and hands the
 first victim's file over for reuse. Victims come least recently used first,
-segments holding nothing reused before any that holds some. Objects are found
+segments holding nothing reused before any that holds some, and those before
+reused segments hit since they were marked (``Segment.kept``). Objects are found
 by key digest in a ``DigestIndex`` (numpy rows, no Python object per object);
 each segment keeps the index row of each of its slots, to forget them all
 when it goes. The records themselves: ``disk.records``.
@@ -226,11 +227,12 @@ class SegmentTable:
         victims = self.victims(geometry.size)
         if victims is None:  # the rest is busy: no room now
             return None
+        self._pass_over(victims, work)
         for victim in victims:
             self.evict(victim)
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         header = SegmentHeader(
-            seq, geometry.size, geometry.num_slots, geometry.data_offset, False, reused
+            seq, geometry.size, geometry.num_slots, geometry.data_offset, False, reused, False
         )
         segment = Segment(header, self.paths.segment(seq), reused=reused)
         segment.cursor = geometry.data_offset
@@ -297,10 +299,35 @@ class SegmentTable:
         self.reused_bytes += segment.size
         return True
 
+    def mark_hit(self, segment: Segment) -> bool:
+        """An object of ``segment`` was read; whether that makes a reused segment hit (a
+        held one only). A segment not marked reused stays as it is: where nothing is
+        admitted as reused (``admission: all``) eviction stays least recently used."""
+        if segment.hit or not segment.reused or not self.holds(segment):
+            return False
+        segment.hit = True
+        return True
+
+    def _pass_over(self, victims: list[Segment], work: FileWork) -> None:
+        """A second chance: hit segments less recently used than the newest reused victim
+        lose their hit and become the most recently used (a clock over reused segments:
+        what was hit once is not kept for ever, which froze out newer reused blocks in
+        ``benchmarks/bench_eviction.py``)."""
+        gone = {victim.seq for victim in victims}
+        order = list(self.segments.values())
+        passed = [i for i, s in enumerate(order) if s.reused and s.seq in gone]
+        for segment in order[: passed[-1] if passed else 0]:
+            if segment.hit and segment.idle and segment.seq not in gone:
+                segment.hit = False
+                self.segments.move_to_end(segment.seq)
+                work.passed.append(segment)
+
     def victims(self, num_bytes: int) -> list[Segment] | None:
         """The idle segments to evict for ``num_bytes`` more (none while free room is
         left): least recently used first among those holding nothing reused, then among
-        the rest; None when too few are idle. Admission sends a store that was not
+        reused ones not hit since, then the rest (``Segment.kept``; a reused block that
+        was only written again, a document asked twice, goes before one read back since,
+        a system prompt); None when too few are idle. Admission sends a store that was not
         reused on only where this picks no marked segment (``DiskTier.evicts_reused``);
         one that comes anyway (``admission: all``, marks left from an earlier run) still
         finds room. (Segmented LRU without a cap on the protected part: in
@@ -311,7 +338,7 @@ class SegmentTable:
             return []
         idle = [segment for segment in self.segments.values() if segment.idle]
         picked: list[Segment] = []
-        for segment in [s for s in idle if not s.reused] + [s for s in idle if s.reused]:
+        for segment in sorted(idle, key=lambda s: s.kept):  # stable: LRU within each
             if needed <= 0:
                 break
             picked.append(segment)

@@ -11,8 +11,9 @@ numpy rows, no Python object per object; runs of slots: ``disk.batches``).
 A put reserves a slot and a page-aligned data range in the active segment
 (under the lock), writes the payloads of a batch with one ``pwritev`` per
 contiguous run, and then their slots. A full tier evicts whole segments,
-least recently used first (a put or a hit uses a segment), and reuses the
-evicted file for the next segment.
+least recently used first (a put or a hit uses a segment; those holding
+objects admitted as reused, and of those the ones hit since, go last:
+``disk.table``), and reuses the evicted file for the next segment.
 """
 
 from __future__ import annotations
@@ -204,11 +205,7 @@ class DiskTier(Tier):
                     results[item] = PutStatus.FULL
                 else:
                     results[item] = PutStatus.EXISTS
-            for segment in work.discarded:
-                self._dir.discard_file(segment)
-            for segment in work.superseded:  # else sealed by the commit that idles it
-                if segment.idle and segment.fd >= 0 and not segment.sealed:
-                    self._dir.seal(segment)
+            self._dir.after_reserve(work)
         for segment in work.to_open:
             self._dir.open(segment)
         # A part per run of slots, never less: the kernel serializes buffered writes to
@@ -302,8 +299,7 @@ class DiskTier(Tier):
             if not self.read_only:
                 for segment in touched:
                     if self._table.holds(segment):
-                        self._table.use(segment)
-                        self._dir.touch(segment)
+                        self._dir.used(segment)
         return results
 
     def _plan(

@@ -1,5 +1,6 @@
 """DiskTier keeps objects admitted as reused in segments of their own, evicts those
-segments after every other, and keeps the mark in the segment header across restarts."""
+segments after every other (and of those, the ones hit since last), and keeps the
+marks in the segment header across restarts."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def put(disk: Tier, batch: list[StoreKey], *, reused: bool = False) -> None:
     assert put_many(batch, buffers) == [PutStatus.OK] * len(batch)
 
 
-def flag_of(root: Path, k: StoreKey) -> bool:
-    """Whether the header of the segment holding ``k`` says reused."""
+def header_of(root: Path, k: StoreKey) -> segments.SegmentHeader:
+    """The header of the segment holding ``k``."""
     digest = key_digest(k).hex()
     (found,) = [r for r in segments.iter_records(root) if r.digest == digest]
     fd = os.open(found.path, os.O_RDONLY)
@@ -41,7 +42,12 @@ def flag_of(root: Path, k: StoreKey) -> bool:
     finally:
         os.close(fd)
     assert isinstance(header, segments.SegmentHeader), header
-    return header.reused
+    return header
+
+
+def flag_of(root: Path, k: StoreKey) -> bool:
+    """Whether the header of the segment holding ``k`` says reused."""
+    return header_of(root, k).reused
 
 
 def test_reused_objects_get_segments_of_their_own_marked_on_disk(tmp_path: Path) -> None:
@@ -108,4 +114,39 @@ def test_a_disk_full_of_marked_segments_still_takes_stores(tmp_path: Path) -> No
         assert disk.contains_many(marked[:PER_SEGMENT]) == [False] * PER_SEGMENT
         assert disk.contains_many(marked[PER_SEGMENT:]) == [True] * 3 * PER_SEGMENT
         assert disk.evicts_reused(1) is False  # the plain segment goes next
+        disk.check_integrity()
+
+
+def test_a_hit_on_a_reused_segment_keeps_it_past_reused_ones_and_restarts(
+    tmp_path: Path,
+) -> None:
+    plain, read, written = keys("plain"), keys("read"), keys("written")
+    with tier(tmp_path) as disk:
+        put(disk, plain)
+        put(disk, read, reused=True)
+        put(disk, written, reused=True)
+        for k in (plain[0], read[0]):
+            assert get_one(disk, k, OBJECT)[0] is GetStatus.OK
+        assert not header_of(tmp_path, plain[0]).hit  # not reused: a hit leaves it plain
+        assert header_of(tmp_path, read[0]).hit and not header_of(tmp_path, written[0]).hit
+    with tier(tmp_path) as disk:  # the hit comes back from the header
+        later = keys("later", 3 * PER_SEGMENT)  # evicts two of the three old segments
+        for start in range(0, len(later), PER_SEGMENT):
+            put(disk, later[start : start + PER_SEGMENT], reused=True)
+        assert disk.contains_many([*plain, *written]) == [False] * 2 * PER_SEGMENT
+        assert disk.contains_many(read) == [True] * PER_SEGMENT
+        disk.check_integrity()
+
+
+def test_an_eviction_passing_over_a_hit_segment_clears_its_flag_on_disk(tmp_path: Path) -> None:
+    read, written = keys("read"), [keys(f"written {i}") for i in range(3)]
+    with tier(tmp_path) as disk:
+        put(disk, read, reused=True)
+        assert get_one(disk, read[0], OBJECT)[0] is GetStatus.OK
+        assert header_of(tmp_path, read[0]).hit
+        for batch in written:  # four reused segments, ``read`` the least recently used
+            put(disk, batch, reused=True)
+        put(disk, keys("new"), reused=True)  # evicts the oldest not hit, passing ``read``
+        assert disk.contains_many([read[0], written[0][0]]) == [True, False]
+        assert not header_of(tmp_path, read[0]).hit
         disk.check_integrity()

@@ -149,6 +149,48 @@ def test_reused_segments_go_last_and_only_idle_ones_go() -> None:
     t.check()
 
 
+def test_reused_segments_hit_since_go_after_those_only_written() -> None:
+    t = table(4)
+    for name in ("h1", "h2", "w1", "w2", "p1", "p2"):  # h: hit later, w: written only
+        put(t, name, reused=not name.startswith("p"))
+    hit, written = t.segments[segment_of(t, "h1")], t.segments[segment_of(t, "w1")]
+    plain = t.segments[segment_of(t, "p1")]
+    assert not t.mark_hit(plain) and not plain.hit  # unmarked stays unmarked: plain LRU
+    assert t.mark_hit(hit) and hit.hit and not t.mark_hit(hit)  # once
+    assert (plain.kept, written.kept, hit.kept) == (0, 1, 2)
+    t.use(written)  # the most recently used now, yet it goes before the hit one
+    victims = t.victims(3 * SEGMENT.size)
+    assert victims is not None and [v.seq for v in victims] == [plain.seq, written.seq]
+    for name in ("r1", "r2", "r3", "r4", "r5"):  # reused ones: the free room, plain, w
+        put(t, name, reused=True)
+    assert t.entry(digest("h1")) is not None and t.entry(digest("w1")) is None
+    t.check()
+
+
+def test_an_eviction_passing_over_a_hit_segment_takes_its_hit() -> None:
+    """A clock over reused segments: a hit keeps a segment one more time round."""
+    t = table(3)
+    for name in ("h1", "h2", "w1", "w2", "v1", "v2"):  # three reused segments, h oldest
+        put(t, name, reused=True)
+    hit = t.segments[segment_of(t, "h1")]
+    assert t.mark_hit(hit)
+    work = FileWork()
+    reserved = t.reserve(0, digest("n1"), 8192, work, reused=True)
+    assert isinstance(reserved, Reservation)
+    assert t.entry(digest("w1")) is None and t.entry(digest("h1")) is not None
+    assert work.passed == [hit] and not hit.hit  # passed over: the most recent, not hit
+    assert list(t.segments.values())[-2:] == [hit, reserved.segment]
+    open_all(work)
+    t.commit_part([reserved], written=True)
+    put(t, "n2", reused=True)
+    put(t, "n3", reused=True)  # evicts v; h is no longer hit, but more recent
+    assert t.entry(digest("v1")) is None and t.entry(digest("h1")) is not None
+    put(t, "n4", reused=True)
+    put(t, "n5", reused=True)  # now h goes
+    assert t.entry(digest("h1")) is None
+    t.check()
+
+
 def test_a_batch_stores_again_what_its_own_reservations_evicted() -> None:
     t = table(2)
     for name in "abcd":  # A = (a, b), B = (c, d): A least recently used
