@@ -170,7 +170,9 @@ class DiskTier(Tier):
     ) -> list[PutStatus]:
         """Into segments of their own, so that no unreused object shares their protection."""
         results = self._put(keys, buffers, checksums, reused=True)
-        self.note_reused_many(keys)  # those stored already, in other segments
+        stored = [key for key, r in zip(keys, results, strict=True) if r is PutStatus.EXISTS]
+        if stored:
+            self.note_reused_many(stored)  # stored already, in other segments
         return results
 
     def _put(
@@ -230,7 +232,7 @@ class DiskTier(Tier):
             if self._table.changes is not None:  # before _finish_writes may evict them
                 ok_keys = [k for k, r in zip(keys, results, strict=True) if r is PutStatus.OK]
                 self._table.changes.stored(ok_keys)
-            for segment in {part[0].segment for part in parts}:
+            for segment in dict.fromkeys(part[0].segment for part in parts):  # batch order
                 self._finish_writes(segment)
         return results
 

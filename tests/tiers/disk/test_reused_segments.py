@@ -150,3 +150,15 @@ def test_an_eviction_passing_over_a_hit_segment_clears_its_flag_on_disk(tmp_path
         assert disk.contains_many([read[0], written[0][0]]) == [True, False]
         assert not header_of(tmp_path, read[0]).hit
         disk.check_integrity()
+
+
+def test_putting_as_reused_a_key_stored_plain_marks_its_segment(tmp_path: Path) -> None:
+    plain = keys("plain", 1)
+    with tier(tmp_path) as disk:
+        put(disk, plain)
+        assert not flag_of(tmp_path, plain[0])
+        buffers = [payload(k, OBJECT) for k in plain]
+        assert disk.put_reused_many(plain, buffers) == [PutStatus.EXISTS]
+        assert flag_of(tmp_path, plain[0])  # marked where it is, not written again
+        assert disk.usage().num_objects == 1
+        disk.check_integrity()
