@@ -297,7 +297,7 @@ class SegmentDirectory:
     def after_reserve(self, work: FileWork) -> None:
         """The file work reservations left that needs the lock held: evicted files go,
         superseded idle segments are sealed (else by the commit that idles them), and
-        segments passed over lose their hit on disk too."""
+        segments passed over lose their hit and are stamped most recent on disk too."""
         for segment in work.discarded:
             self.discard_file(segment)
         for segment in work.superseded:
@@ -305,6 +305,7 @@ class SegmentDirectory:
                 self.seal(segment)
         for segment in work.passed:
             self._write_flags(segment)
+            self.touch(segment)
 
     def mark_reused(self, segment: Segment) -> None:
         """``table.mark_reused``, kept in the header for a restarted writer (best effort:

@@ -150,6 +150,10 @@ def test_an_eviction_passing_over_a_hit_segment_clears_its_flag_on_disk(tmp_path
         assert disk.contains_many([read[0], written[0][0]]) == [True, False]
         assert not header_of(tmp_path, read[0]).hit
         disk.check_integrity()
+    with tier(tmp_path) as disk:  # ``read`` was stamped more recent than the rest passed
+        put(disk, keys("newer 1"), reused=True)
+        put(disk, keys("newer 2"), reused=True)
+        assert disk.contains_many([written[1][0], written[2][0], read[0]]) == [0, 0, 1]
 
 
 def test_putting_as_reused_a_key_stored_plain_marks_its_segment(tmp_path: Path) -> None:
