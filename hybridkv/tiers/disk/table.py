@@ -313,6 +313,8 @@ class SegmentTable:
         lose their hit and become the most recently used (a clock over reused segments:
         what was hit once is not kept for ever, which froze out newer reused blocks in
         ``benchmarks/bench_eviction.py``)."""
+        if not any(victim.reused for victim in victims):
+            return  # nothing reused goes (always so with ``admission: all``): no pass
         gone = {victim.seq for victim in victims}
         order = list(self.segments.values())
         passed = [i for i, s in enumerate(order) if s.reused and s.seq in gone]
