@@ -22,12 +22,19 @@ times what the tiers hold. Two model shapes: sliding window + full attention
 tier behind a CPU tier of two sizes (a fraction of one round's new blocks,
 and about one round's).
 
-Per policy and class: reusable tokens (the longest block-aligned prefix an
-earlier request of the run computed), hit tokens, and the ratio of hit
-tokens to ``lru``'s. Targets: >= 1.3x ``lru``'s hit tokens over the whole
-workload, and no class under 0.98x. ``--quick`` runs fewer rounds.
+A second workload, ``long-doc-qa``, asks each of 16 documents (about twice
+the disk tier) three questions in a seeded random order, as the served
+workload of that name does: every document is read again the same number of
+times, so what a reuse policy protects is worth no more than what it holds
+back, and plain recency is hard to beat.
 
-    python benchmarks/bench_eviction.py [--quick] [--json PATH]
+Per workload, policy and class: reusable tokens (the longest block-aligned
+prefix an earlier request of the run computed), hit tokens, and the ratio of
+hit tokens to ``lru``'s. Targets: >= 1.3x ``lru``'s hit tokens over the mixed
+workload, and no workload, nor class of the mixed one, under 0.98x.
+``--quick`` runs fewer rounds of the mixed workload; ``--workload`` picks one.
+
+    python benchmarks/bench_eviction.py [--quick] [--workload NAME] [--json PATH]
 """
 
 from __future__ import annotations
@@ -75,6 +82,9 @@ CPU_BLOCKS = (128, 512)
 """The CPU tier's sizes, in blocks per group: a fraction of one round's new blocks, and
 about one round's."""
 CLASSES = ("shared", "docs", "chat", "one-off")
+DOCS, QUESTIONS = 16, 3
+"""long-doc-qa: documents of 320 tokens, each asked this many times."""
+WORKLOADS = ("mixed", "long-doc-qa")
 OVER_LRU, WORST_CLASS = 1.3, 0.98
 
 
@@ -103,6 +113,19 @@ def workload(rounds: int, seed: int) -> list[Ask]:
         rng.shuffle(batch)
         asks += batch
     return asks
+
+
+def docs_workload(seed: int) -> list[Ask]:
+    """Long documents, each asked several questions, all in a seeded random order (the
+    served ``long-doc-qa``): a document's first question stores it, and what admission
+    holds back then is lost to its later ones. The documents are about twice the disk
+    tier."""
+    rng = random.Random(seed)
+    fresh = iter(range(2_000_000, 3_000_000))
+    docs = [prompt(320, seed=next(fresh)) for _ in range(DOCS)]
+    asks = [d for d in range(DOCS) for _ in range(QUESTIONS)]
+    rng.shuffle(asks)
+    return [Ask("docs", tuple(docs[d] + prompt(16, seed=next(fresh)))) for d in asks]
 
 
 def reusable(asks: Sequence[Ask]) -> list[int]:
@@ -215,41 +238,53 @@ def summarize(asks: Sequence[Ask], runs: dict[str, dict[str, Any]]) -> dict[str,
 
 def table(report: dict[str, Any]) -> str:
     lines = []
-    for shape, rows in report["shapes"].items():
-        lines += ["", f"{shape}: {report['requests']} requests, hit tokens (of reusable)"]
-        header = f"{'policy':18}" + "".join(f"{k:>16}" for k in (*CLASSES, "total"))
-        lines += [header + f"{'x lru':>8}  worst class x lru"]
-        for name, row in rows.items():
-            cells = [row["classes"][k] for k in CLASSES] + [row["total"]]
-            worst = min(row["class_over_lru"].values())
-            lines.append(
-                f"{name:18}"
-                + "".join(f"{c['hit']:>8} ({c['reusable']:>5})" for c in cells)
-                + f"{row['over_lru']:>8.2f}  {worst:.2f}"
-            )
-    lines += ["", f"targets: total >= {OVER_LRU}x lru's, no class under {WORST_CLASS}x"]
+    for workload_name, part in report["workloads"].items():
+        classes = CLASSES if workload_name == "mixed" else ("docs",)
+        for shape, rows in part["shapes"].items():
+            title = f"{workload_name}, {shape}: {part['requests']} requests"
+            lines += ["", title + ", hit tokens (of reusable)"]
+            header = f"{'policy':18}" + "".join(f"{k:>16}" for k in (*classes, "total"))
+            lines += [header + f"{'x lru':>8}  worst class x lru"]
+            for name, row in rows.items():
+                cells = [row["classes"][k] for k in classes] + [row["total"]]
+                worst = min(row["class_over_lru"].values())
+                lines.append(
+                    f"{name:18}"
+                    + "".join(f"{c['hit']:>8} ({c['reusable']:>5})" for c in cells)
+                    + f"{row['over_lru']:>8.2f}  {worst:.2f}"
+                )
+    lines += [
+        "",
+        f"targets: mixed >= {OVER_LRU}x lru's hit tokens; no workload and no class of mixed "
+        f"under {WORST_CLASS}x",
+    ]
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds of mixed")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", choices=WORKLOADS, action="append", help="default: both")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 8)
-    asks = workload(rounds, args.seed)
-    report: dict[str, Any] = {"rounds": rounds, "requests": len(asks), "shapes": {}}
-    for shape_name, shape in SHAPES.items():
-        for cpu_blocks in CPU_BLOCKS:
-            case = f"{shape_name}, cpu tier of {cpu_blocks} blocks per group"
-            runs = {}
-            for name, policy in POLICIES.items():
-                with tempfile.TemporaryDirectory(prefix="hybridkv-bench-eviction-") as tmp:
-                    runs[name] = run_policy(shape, cpu_blocks, policy, asks, Path(tmp))
-                print(f"{case}, {name}: {sum(runs[name]['hits'])} hit tokens", flush=True)
-            report["shapes"][case] = summarize(asks, runs)
+    report: dict[str, Any] = {"rounds": rounds, "workloads": {}}
+    for workload_name in args.workload or WORKLOADS:
+        asks = workload(rounds, args.seed) if workload_name == "mixed" else docs_workload(args.seed)
+        part: dict[str, Any] = {"requests": len(asks), "shapes": {}}
+        for shape_name, shape in SHAPES.items():
+            for cpu_blocks in CPU_BLOCKS:
+                case = f"{shape_name}, cpu tier of {cpu_blocks} blocks per group"
+                runs = {}
+                for name, policy in POLICIES.items():
+                    with tempfile.TemporaryDirectory(prefix="hybridkv-bench-eviction-") as tmp:
+                        runs[name] = run_policy(shape, cpu_blocks, policy, asks, Path(tmp))
+                    hit = sum(runs[name]["hits"])
+                    print(f"{workload_name}, {case}, {name}: {hit} hit tokens", flush=True)
+                part["shapes"][case] = summarize(asks, runs)
+        report["workloads"][workload_name] = part
     print(table(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -1,6 +1,6 @@
 """``benchmarks/bench_eviction.py`` runs end to end (a benchmark nobody runs rots): every
-policy replays the same workload on both shapes, and every hit's KV equals a cold run's
-(the benchmark compares them and stops on a difference)."""
+policy replays the same workloads (mixed, long-doc-qa) on both shapes, and every hit's
+KV equals a cold run's (the benchmark compares them and stops on a difference)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_the_eviction_benchmark_compares_every_policy_on_one_workload(tmp_path: Path) -> None:
+def test_the_eviction_benchmark_compares_every_policy_on_each_workload(tmp_path: Path) -> None:
     out = tmp_path / "eviction.json"
     result = subprocess.run(
         [sys.executable, "benchmarks/bench_eviction.py", "--quick", "--json", out],
@@ -26,15 +26,23 @@ def test_the_eviction_benchmark_compares_every_policy_on_one_workload(tmp_path: 
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert len(report["shapes"]) == 4, "two shapes, two sizes of cpu tier"
-    for rows in report["shapes"].values():
-        assert list(rows) == ["lru", "chain", "chain+2nd", "chain+2nd+reused"]
-        reusable = [{k: c["reusable"] for k, c in row["classes"].items()} for row in rows.values()]
-        assert all(r == reusable[0] for r in reusable), "the same workload for every policy"
-        assert rows["lru"]["over_lru"] == 1.0
-        for row in rows.values():
-            assert len(row["hits"]) == report["requests"]
-            assert row["total"]["hit"] <= row["total"]["reusable"]
-            assert (row["kv_blocks_checked"] > 0) == (row["total"]["hit"] > 0)
-        assert rows["lru"]["total"]["hit"] > 0, "the tiers kept nothing: the case tests nothing"
-    assert "targets: total >= 1.3x" in result.stdout
+    assert list(report["workloads"]) == ["mixed", "long-doc-qa"]
+    for part in report["workloads"].values():
+        assert len(part["shapes"]) == 4, "two shapes, two sizes of cpu tier"
+        for rows in part["shapes"].values():
+            assert list(rows) == ["lru", "chain", "chain+2nd", "chain+2nd+reused"]
+            reusable = [
+                {k: c["reusable"] for k, c in row["classes"].items()} for row in rows.values()
+            ]
+            assert all(r == reusable[0] for r in reusable), "the same workload for every policy"
+            assert rows["lru"]["over_lru"] == 1.0
+            for row in rows.values():
+                assert len(row["hits"]) == part["requests"]
+                assert row["total"]["hit"] <= row["total"]["reusable"]
+                assert (row["kv_blocks_checked"] > 0) == (row["total"]["hit"] > 0)
+            assert rows["lru"]["total"]["hit"] > 0, "the tiers kept nothing: the case tests nothing"
+    docs = report["workloads"]["long-doc-qa"]
+    for rows in docs["shapes"].values():
+        only_docs = {k for k, c in rows["lru"]["classes"].items() if c["reusable"]}
+        assert only_docs == {"docs"}, "long-doc-qa asks documents only"
+    assert "targets: mixed >= 1.3x" in result.stdout
