@@ -182,6 +182,9 @@ class Tier(abc.ABC):
     """Relative cost of loading from this tier (lower is cheaper)."""
     accepts_promotions: ClassVar[bool] = False
     """Blocks read from slower tiers are copied here (best effort)."""
+    local_usage: ClassVar[bool] = False
+    """``usage`` and ``evicts_reused`` answer from this process's memory, with no
+    round trip to a server (``tiers.tiered.room`` asks for every batch)."""
     num_tiers: int = 1
     """Tiers a read may name (``get_many_from``); a stack of tiers has several."""
 

@@ -93,6 +93,7 @@ class CpuTier(Tier):
     """
 
     accepts_promotions = True
+    local_usage = True
 
     def __init__(self, config: CpuConfig, *, name: str = "cpu") -> None:
         self.name = name

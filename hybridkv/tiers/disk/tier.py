@@ -72,6 +72,8 @@ class DiskTier(Tier):
     (the transfer engine never scatters a non-OK buffer).
     """
 
+    local_usage = True
+
     def __init__(self, config: DiskConfig, *, name: str = "disk") -> None:
         self.name = name
         self.load_weight = config.load_weight

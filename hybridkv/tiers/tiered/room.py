@@ -4,15 +4,18 @@ would push out something reused.
 Worker process, any thread. Holding a block back from a tier that still has
 free room saves nothing and loses a hit (a restarted engine finds on disk only
 what was sent there), so while every slower tier has room for a batch without
-evicting, the batch goes on whether or not it was reused. Each tier's usage
-is read at most once per ``refresh_s`` (a pool answers over the network), and
-the bytes sent since are counted against it here (a write-back queue may not
-have written them yet). Once a tier is full, a batch still goes on where what
-it would evict there holds nothing admitted as reused
-(``Tier.evicts_reused``, False): evicting one unreused block for another
-is plain recency, which admission must not lose to. A tier that cannot tell
-its capacity or its victim (Mooncake; Valkey without ``maxmemory``, or full)
-takes only reused blocks.
+evicting, the batch goes on whether or not it was reused. A tier that answers
+its usage from memory (``Tier.local_usage``: the disk) is asked for every
+batch, with the bytes still queued for write-back counted against it; a pool
+answers over the network, so its usage is read at most once per
+``refresh_s`` and the bytes sent since are counted against it. (Reading the
+disk's usage once a second made a full disk look fuller the more batches came
+in that second, and held back more on a busy machine.) Once a tier is full, a
+batch still goes on where what it would evict there holds nothing admitted as
+reused (``Tier.evicts_reused``, False): evicting one unreused block for
+another is plain recency, which admission must not lose to. A tier that
+cannot tell its capacity or its victim (Mooncake; Valkey without
+``maxmemory``, or full) takes only reused blocks.
 """
 
 from __future__ import annotations
@@ -36,47 +39,50 @@ class SlowerRoom:
         tiers: Sequence[Tier],
         guard: TierGuard,
         *,
+        queued: Callable[[], int] = lambda: 0,
         refresh_s: float = REFRESH_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._tiers = tuple(tiers)
         self._guard = guard
+        self._queued = queued
+        """Bytes queued for the slower tiers and not written yet (write-back)."""
         self._refresh_s = refresh_s
         self._clock = clock
-        self._free: list[int | None] = []
-        """Bytes each slower tier could take without evicting (None: unknown), as last
-        read."""
+        self._remote = [i for i in range(1, len(self._tiers)) if not self._tiers[i].local_usage]
+        self._free: dict[int, int | None] = {}
+        """Bytes each remote slower tier could take without evicting (None: unknown),
+        as last read."""
         self._sent = 0
         """Bytes sent on since (a write-back queue may not have written them yet)."""
         self._read_at: float | None = None
         self._lock = threading.Lock()
 
     def take(self, num_bytes: int) -> bool:
-        """True when every slower tier has room for ``num_bytes`` besides what was sent
-        since its usage was read, or would make it by evicting nothing admitted as
-        reused; the bytes then count as sent."""
+        """True when every slower tier has room for ``num_bytes`` besides what is still
+        to be written there, or would make it by evicting nothing admitted as reused;
+        the bytes then count as sent."""
+        if len(self._tiers) < 2:
+            return False
         with self._lock:
             now = self._clock()
-            if self._read_at is None or now - self._read_at >= self._refresh_s:
-                self._free = [self._read_free(i) for i in range(1, len(self._tiers))]
+            if self._remote and (self._read_at is None or now - self._read_at >= self._refresh_s):
+                self._free = {i: self._read_free(i) for i in self._remote}
                 self._sent = 0
                 self._read_at = now
-            if not self._free:
-                return False
-            wanted = self._sent + num_bytes
-            short = any(free is None or free < wanted for free in self._free)
-            if short and not self._victims_unreused(wanted):
-                return False
-            self._sent = wanted
+            queued = self._queued()
+            for index in range(1, len(self._tiers)):
+                remote = index in self._free
+                wanted = (self._sent if remote else queued) + num_bytes
+                free = self._free[index] if remote else self._read_free(index)
+                if (free is None or free < wanted) and not self._evicts_unreused(index, wanted):
+                    return False
+            self._sent += num_bytes
             return True
 
-    def _victims_unreused(self, num_bytes: int) -> bool:
-        for index in range(1, len(self._tiers)):
-            tier = self._tiers[index]
-            evicts = self._guard.call(index, "victim", None, tier.evicts_reused, num_bytes)
-            if evicts is not False:
-                return False
-        return True
+    def _evicts_unreused(self, index: int, num_bytes: int) -> bool:
+        tier = self._tiers[index]
+        return self._guard.call(index, "victim", None, tier.evicts_reused, num_bytes) is False
 
     def _read_free(self, index: int) -> int | None:
         usage: TierUsage | None = self._guard.call(index, "usage", None, self._tiers[index].usage)

@@ -96,7 +96,7 @@ class TieredStore(Admitting, Tier):
         self._hit_tokens = [0] * len(tiers)
         self._pending_loads = [0] * len(tiers)
         self._guard = TierGuard(name, self.tier_names, logger)
-        self._room = SlowerRoom(self.tiers, self._guard)
+        self._room = SlowerRoom(self.tiers, self._guard, queued=self._bytes_queued)
         self._num_admitted = 0
         self._reused_pending = set()
         self._num_rejected = 0
@@ -116,6 +116,9 @@ class TieredStore(Admitting, Tier):
             if write_back and len(tiers) > 1
             else None
         )
+
+    def _bytes_queued(self) -> int:
+        return 0 if self._write_back is None else self._write_back.queued_bytes()
 
     # Lookups -----------------------------------------------------------------
 

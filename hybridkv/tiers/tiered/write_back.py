@@ -226,6 +226,11 @@ class WriteBack:
         if finished:
             self._thread.join(timeout_s)
 
+    def queued_bytes(self) -> int:
+        """Bytes queued and not written yet (copies and borrowed views)."""
+        with self._cond:
+            return self._allocator.allocated_bytes + self._borrowed_bytes
+
     def snapshot(self) -> WriteBackStats:
         with self._cond:
             return WriteBackStats(**vars(self.stats))

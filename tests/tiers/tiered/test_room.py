@@ -1,5 +1,6 @@
-"""SlowerRoom over a real DiskTier: free room is read at most once per refresh and
-what is sent in between is counted against it."""
+"""SlowerRoom over real tiers: a disk is asked for every batch, with the bytes still
+queued for it counted against its room; a pool's room is read at most once per
+refresh and what is sent in between is counted against it."""
 
 from __future__ import annotations
 
@@ -31,12 +32,17 @@ class Clock:
         return self.now
 
 
-def room_over_disk(tmp_path: Path, clock: Clock) -> tuple[SlowerRoom, DiskTier, CpuTier]:
+def room_over_disk(
+    tmp_path: Path, clock: Clock, queued: list[int] | None = None
+) -> tuple[SlowerRoom, DiskTier, CpuTier]:
+    """``queued``: bytes the write-back has not written yet, as the room reads them."""
     first = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
     config = DiskConfig(path=tmp_path, capacity_bytes=CAPACITY, segment_bytes=SEGMENT)
     second = DiskTier(config)
     guard = TierGuard("test", ["cpu", "disk"], logging.getLogger(__name__))
-    return SlowerRoom([first, second], guard, refresh_s=1.0, clock=clock), second, first
+    waiting = queued if queued is not None else [0]
+    room = SlowerRoom([first, second], guard, queued=lambda: waiting[0], refresh_s=1.0, clock=clock)
+    return room, second, first
 
 
 def put(disk: DiskTier, name: str, num_bytes: int = 4096) -> StoreKey:
@@ -45,20 +51,26 @@ def put(disk: DiskTier, name: str, num_bytes: int = 4096) -> StoreKey:
     return key
 
 
-def test_sent_bytes_count_until_the_next_read(tmp_path: Path) -> None:
+def test_a_disk_is_asked_for_every_batch_with_what_is_queued_for_it(tmp_path: Path) -> None:
     clock = Clock()
-    room, second, first = room_over_disk(tmp_path, clock)
+    queued = [0]
+    room, second, first = room_over_disk(tmp_path, clock, queued)
     second.note_reused_many([put(second, "reused")])  # the next victim is reused
     free = CAPACITY - SEGMENT
     assert second.usage().used_bytes == SEGMENT
-    assert room.take(free // 2)
-    assert room.take(free // 2)
-    assert not room.take(1)  # counted full although nothing was written yet
-    clock.now = 0.5
-    assert not room.take(1)  # not read again yet
-    clock.now = 1.0
-    assert not room.take(free + 1)  # read again: what the disk has
     assert room.take(free)
+    assert room.take(free)  # nothing was written or queued since: the disk is as it was
+    assert not room.take(free + 1)
+    queued[0] = free // 2  # sent on, still in the write-back's queue
+    assert room.take(free // 2)
+    assert not room.take(free // 2 + 1)
+    queued[0] = 0
+    written = [put(second, f"written/{name}", SEGMENT // 2) for name in ("a", "b")]
+    second.note_reused_many(written)  # the second needed a new segment, now kept too
+    assert second.usage().used_bytes == 2 * SEGMENT  # read at once, no refresh
+    assert not room.take(free - SEGMENT + 1)
+    assert room.take(free - SEGMENT)
+    assert clock.now == 0.0
     second.close()
     first.close()
 
@@ -95,13 +107,20 @@ def test_a_pool_has_room_only_where_its_server_tells_its_capacity(tmp_path: Path
     """Valkey under ``maxmemory`` reports it; Mooncake's client cannot learn it."""
     first = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
     guard = TierGuard("test", ["cpu", "pool"], logging.getLogger(__name__))
+    clock = Clock()
     with (
         ValkeyServer(maxmemory_bytes=64 * MIB) as server,
         ValkeyTier(ValkeyConfig(port=server.valkey_port)) as valkey,
     ):
-        room = SlowerRoom([first, valkey], guard)
-        assert room.take(MIB)
+        room = SlowerRoom([first, valkey], guard, refresh_s=1.0, clock=clock)
         assert not room.take(64 * MIB)  # valkey's own memory already takes some
+        assert room.take(30 * MIB)
+        assert room.take(30 * MIB)
+        assert not room.take(30 * MIB)  # sent since the read: counted, not asked again
+        clock.now = 0.5
+        assert not room.take(30 * MIB)
+        clock.now = 1.0
+        assert room.take(30 * MIB)  # read again: nothing was written there
     with (
         MooncakePool(segment_bytes=64 * MIB) as pool,
         MooncakeTier(
