@@ -131,3 +131,27 @@ def test_a_pool_has_room_only_where_its_server_tells_its_capacity(tmp_path: Path
     only_first = SlowerRoom([first], TierGuard("test", ["cpu"], logging.getLogger(__name__)))
     assert not only_first.take(1)  # no slower tier: nothing to send on
     first.close()
+
+
+def test_only_a_short_tier_is_asked_what_it_would_evict(tmp_path: Path) -> None:
+    """A full disk whose victim holds nothing reused takes the batch; a pool with room
+    behind it, which cannot name a victim, does not refuse it."""
+    first = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
+    disk = DiskTier(DiskConfig(path=tmp_path, capacity_bytes=CAPACITY, segment_bytes=SEGMENT))
+    guard = TierGuard("test", ["cpu", "disk", "pool"], logging.getLogger(__name__))
+    i = 0
+    while disk.usage().used_bytes < CAPACITY:
+        put(disk, f"fill/{i}", 64 << 10)
+        i += 1
+    with (
+        ValkeyServer(maxmemory_bytes=64 * MIB) as server,
+        ValkeyTier(ValkeyConfig(port=server.valkey_port)) as valkey,
+    ):
+        assert valkey.evicts_reused(1) is None  # a pool cannot tell
+        room = SlowerRoom([first, disk, valkey], guard)
+        assert room.take(MIB)  # the disk evicts an unreused segment; valkey has room
+        disk.note_reused_many([StoreKey(f"test/room/fill/{j}") for j in range(i)])
+        assert not room.take(MIB)  # now the disk would evict something reused
+        assert not room.take(64 * MIB)  # and valkey has no room for this much
+    disk.close()
+    first.close()
