@@ -175,10 +175,11 @@ def replay(engine: SimEngine, asks: Sequence[Ask]) -> tuple[list[int], int]:
         hit = engine.add(req_id, list(ask.tokens))
         if hit:
             req = wait_loaded(engine, req_id)
-            if req.outcomes and req.outcomes[-1].ok:
+            # A failed load (its blocks evicted since the lookup) is looked up again: a
+            # shorter hit, or none and the prompt recomputed.
+            hit = req.num_computed if req.outcomes[-1].ok else 0
+            if hit:
                 checked += assert_kv_matches_cold(engine, req, hit)
-            else:
-                hit = 0  # a failed load is recomputed
         run_to_end(engine, req_id, CHUNK)
         engine.settle()
         engine.finish(req_id)
