@@ -17,6 +17,7 @@ import numpy as np
 
 from hybridkv.connector.metadata import BlockRef, StorePlan
 from hybridkv.connector.requests import RequestState
+from hybridkv.connector.returns import ReturnShare
 from hybridkv.connector.seen import SeenHashes
 from hybridkv.connector.steps import ScheduledRequest
 from hybridkv.groups import ModelGroups
@@ -27,7 +28,9 @@ DEFAULT_SEEN_HASHES = 1 << 20
 """Hashes remembered by default: 29 MiB (``connector.seen``)."""
 SEEN = 1
 """A request's chain reached the hash."""
-ADMITTED = 2
+RETURNED = 2
+"""A second request's chain reached it (``connector.returns``)."""
+ADMITTED = 3
 """The blocks ending at the hash were sent to be admitted."""
 
 
@@ -39,6 +42,8 @@ class AdmissionTracker:
         self.builder = builder
         """Any rank's builder: block hashes are the same for every rank."""
         self.seen = SeenHashes(capacity)
+        self.returns = ReturnShare(model_groups.hash_block_size)
+        """Whether first sightings come back: if most do, the tiers go plain LRU."""
 
     @classmethod
     def if_needed(
@@ -59,11 +64,22 @@ class AdmissionTracker:
         """The request's hashes not noted yet; those another request noted first make
         the prefix up to the last of them shared."""
         chain = st.hasher.block_hashes
-        before = self.seen.raise_to(chain[st.num_noted :], SEEN)
+        new = chain[st.num_noted :]
+        before = self.seen.raise_to(new, SEEN)
         again = np.flatnonzero(before >= SEEN)
         if len(again):
             st.shared_hashes = max(st.shared_hashes, st.num_noted + int(again[-1]) + 1)
+        second = [new[k] for k in np.flatnonzero(before == SEEN)]
+        if second:
+            self.seen.raise_to(second, RETURNED)
+        self.returns.noted(len(new) - len(again), len(second))
         st.num_noted = len(chain)
+
+    @property
+    def plain_lru(self) -> bool:
+        """Most first sightings come back: the tiers take every store and evict by
+        recency alone (``connector.returns``)."""
+        return self.returns.plain_lru
 
     def loaded(self, st: RequestState, num_tokens: int) -> None:
         """The request loads its first ``num_tokens`` tokens from the tiers."""

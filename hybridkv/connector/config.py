@@ -90,7 +90,9 @@ class ConnectorConfig:
                 "every one; reused: every one while those tiers have free room or would "
                 "evict only blocks not admitted as reused, else only those likely to be read "
                 "again, every group's blocks of a prefix that two requests reached (looked "
-                "up, computed or loaded); the rest stays in the first tier until evicted there"
+                "up, computed or loaded); the rest stays in the first tier until evicted "
+                "there; while most blocks seen once are seen again, every tier goes plain "
+                "LRU instead"
             )
         ),
     ] = Admission.ALL

@@ -89,6 +89,9 @@ class ConnectorMetadata:
     admitted: tuple[BlockRef, ...] = ()
     """Blocks stored, or being stored, to send on to the slower tiers
     (``Admission.REUSED``; ``connector.admission``)."""
+    plain_lru: bool = False
+    """With ``Admission.REUSED``: most first sightings came back lately, so the tiers
+    take every store and evict by recency alone (``connector.returns``)."""
 
     @property
     def is_empty(self) -> bool:

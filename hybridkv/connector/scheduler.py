@@ -288,6 +288,7 @@ class ConnectorScheduler:
             cancelled_req_ids=frozenset(self._cancelled),
             written_block_ids=step.written_block_ids(self.model_groups),
             admitted=tuple(admitted),
+            plain_lru=self.admission is not None and self.admission.plain_lru,
         )
         self._loads, self._cancelled = [], set()
         return meta

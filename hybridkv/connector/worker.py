@@ -112,6 +112,7 @@ class ConnectorWorker:
         self._storing: Counter[StoreKey] = Counter()
         """Keys of store jobs in flight (a load of them waits)."""
         self._admission = WorkerAdmission(model_groups, self.keys, store)
+        self._plain_lru = False
         self._report = ReportBuilder(tp_rank)
         block_sizes = [group.block_size for group in model_groups.groups]
         self.chains = ChainRecency(block_sizes) if eviction_order is EvictionOrder.CHAIN else None
@@ -177,9 +178,13 @@ class ConnectorWorker:
                 if self.chains is not None:
                     self.chains.start_store(plan.req_id)
 
-    def admit(self, refs: Sequence[BlockRef]) -> None:
+    def admit(self, refs: Sequence[BlockRef], *, plain_lru: bool = False) -> None:
         """Send these stored blocks on to the slower tiers (``Admission.REUSED``): now,
-        or those still being stored once their store is done."""
+        or those still being stored once their store is done. ``plain_lru``: the tiers
+        take every store and evict by recency alone, for now (``connector.returns``)."""
+        if plain_lru != self._plain_lru:
+            self._plain_lru = plain_lru
+            self.store.use_plain_lru(plain_lru)
         self._admission.admit(refs, self._storing)
 
     def finish_requests(self, req_ids: frozenset[str] | set[str]) -> None:

@@ -246,6 +246,11 @@ class Tier(abc.ABC):
         a tier that can keep them from being evicted for others remembers it. The default
         ignores it."""
 
+    def use_plain_lru(self, on: bool) -> None:
+        """While ``on``, evict least recently used first, whatever was noted reused or
+        read (most first sightings come back: ``connector.returns``); off, by the
+        tier's own rule again. The default ignores it."""
+
     def evicts_reused(self, num_bytes: int) -> bool | None:
         """Whether storing ``num_bytes`` more, not admitted as reused, would evict (or be
         refused for) an object noted reused; None (the default): the tier cannot tell (a

@@ -44,7 +44,7 @@ from hybridkv.tiers.base import (
 from hybridkv.tiers.codec import key_digests
 from hybridkv.tiers.config import LoadWeight, TierConfigBase
 from hybridkv.tiers.cpu_index import ArenaIndex, Outstanding
-from hybridkv.tiers.memory import ALIGN_BYTES, allocate_arena
+from hybridkv.tiers.memory import ALIGN_BYTES, allocate_arena, arena_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -124,7 +124,7 @@ class CpuTier(Tier):
         with self._lock:
             self._check_open()
             if self._tensor is None:
-                self._tensor = _as_tensor(self._arena, self._arena_owner)
+                self._tensor = arena_tensor(self._arena, self._arena_owner)
             return self._tensor
 
     def contains_many(self, keys: Sequence[StoreKey]) -> list[bool]:
@@ -316,6 +316,11 @@ class CpuTier(Tier):
             rows = self._index.find(digests)
             self._index.touch(rows[rows >= 0])
 
+    def use_plain_lru(self, on: bool) -> None:
+        """While ``on``, no ``second_chance`` (``LruObjects.plain_lru``)."""
+        with self._lock:
+            self._index.stored.plain_lru = on
+
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove stored keys (a borrowed one keeps its bytes until released); reservations
         are left alone."""
@@ -378,13 +383,6 @@ class CpuTier(Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"cpu tier {self.name} is closed")
-
-
-def _as_tensor(arena: Buffer, owner: object | None) -> torch.Tensor:
-    """The arena's pinned owner, else a tensor over the same memory (same page-aligned start)."""
-    import torch
-
-    return owner if isinstance(owner, torch.Tensor) else torch.from_numpy(arena)
 
 
 class _CpuMemory(TierMemory):

@@ -185,6 +185,8 @@ class LruObjects:
 
     def __init__(self, *, second_chance: bool = False) -> None:
         self.second_chance = second_chance
+        self.plain_lru = False
+        """For now least recently used first, ``second_chance`` or not."""
         self._table = DigestTable()
         self._wide: Wide = np.zeros((0, 2), np.int64)
         self._narrow: Narrow = np.zeros((0, 4), np.int32)
@@ -290,7 +292,8 @@ class LruObjects:
     def oldest_unborrowed(self) -> int:
         """The least recently used row nobody borrows (see ``second_chance``, which may
         reorder rows read since they last came round); NONE if none."""
-        return int(_oldest_unborrowed(self._narrow, self._ends, self.second_chance))
+        passes = self.second_chance and not self.plain_lru
+        return int(_oldest_unborrowed(self._narrow, self._ends, passes))
 
     def order(self) -> Rows:
         """Rows in use, least recently used first."""

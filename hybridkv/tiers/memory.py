@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hybridkv.tiers.base import Buffer
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN_BYTES = 64
 """Extents start on cache-line boundaries."""
@@ -157,3 +161,11 @@ def allocate_arena(num_bytes: int, *, pin_memory: bool | None) -> tuple[Buffer, 
     arena = raw[start : start + num_bytes]
     arena.fill(0)  # first touch now, not on the data path
     return arena, None
+
+
+def arena_tensor(arena: Buffer, owner: object | None) -> torch.Tensor:
+    """``allocate_arena``'s pinned owner, else a tensor over the same memory (the same
+    page-aligned start)."""
+    import torch
+
+    return owner if isinstance(owner, torch.Tensor) else torch.from_numpy(arena)

@@ -308,7 +308,7 @@ class SimEngine:
             self._compute(self.requests[s.req_id], s.num_scheduled_tokens)
         self.worker.start_loads(meta.loads)
         self.worker.save(meta.stores)
-        self.worker.admit(meta.admitted)
+        self.worker.admit(meta.admitted, plain_lru=meta.plain_lru)
         report = self.worker.poll()
         self._take_report(report)
         return report

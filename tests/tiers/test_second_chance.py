@@ -126,3 +126,19 @@ def test_a_prefix_read_again_outlives_one_off_prompts_once() -> None:
             put(t, [f"once/{i}" for i in range(9, 17)])  # a whole round, nothing read
             assert t.contains_many([StoreKey(n) for n in shared]) == [False, False]
     assert kept == {False: [False, False], True: [True, True]}
+
+
+def test_plain_lru_suspends_second_chance_until_it_ends() -> None:
+    """While most first sightings come back (``connector.returns``) a prefix read again
+    goes in plain recency order; the marks of reads stay for when it ends."""
+    shared = ["shared/0", "shared/1"]
+    t = tier(True)
+    put(t, shared)
+    assert read(t, shared) == [GetStatus.OK] * 2
+    t.use_plain_lru(True)
+    put(t, [f"once/{i}" for i in range(7)])  # full, then one eviction
+    assert t.contains_many([StoreKey(n) for n in shared]) == [False, True]
+    t.use_plain_lru(False)
+    put(t, ["once/7"])  # shared/1, read, is passed over; once/0 goes
+    assert t.contains_many([StoreKey("shared/1"), StoreKey("once/0")]) == [True, False]
+    t.check_integrity()

@@ -217,7 +217,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is not None:
             meta = self._meta()
             self._worker.save(meta.stores)
-            self._worker.admit(meta.admitted)
+            self._worker.admit(meta.admitted, plain_lru=meta.plain_lru)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()

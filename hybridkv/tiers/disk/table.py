@@ -47,6 +47,8 @@ class SegmentTable:
         self.allocated = 0
         self.reused_bytes = 0
         """Allocated to segments marked reused."""
+        self.plain_lru = False
+        """Victims least recently used first, whatever their marks (``victims``)."""
         self.active: Segment | None = None
         self.active_reused: Segment | None = None
         """Where objects admitted as reused go (``active``: the others)."""
@@ -313,7 +315,7 @@ class SegmentTable:
         lose their hit and become the most recently used (a clock over reused segments:
         what was hit once is not kept for ever, which froze out newer reused blocks in
         ``benchmarks/bench_eviction.py``)."""
-        if not any(victim.reused for victim in victims):
+        if self.plain_lru or not any(victim.reused for victim in victims):
             return  # nothing reused goes (always so with ``admission: all``): no pass
         gone = {victim.seq for victim in victims}
         order = list(self.segments.values())
@@ -334,13 +336,15 @@ class SegmentTable:
         one that comes anyway (``admission: all``, marks left from an earlier run) still
         finds room. (Segmented LRU without a cap on the protected part: in
         ``benchmarks/bench_eviction.py`` a part kept for first sightings lost more reused
-        hits than it won second sightings.)"""
+        hits than it won second sightings.) ``plain_lru``: least recently used first,
+        marks or not (while most first sightings come back, ``connector.returns``)."""
         needed = self.allocated + num_bytes - self.capacity_bytes
         if needed <= 0:
             return []
         idle = [segment for segment in self.segments.values() if segment.idle]
         picked: list[Segment] = []
-        for segment in sorted(idle, key=lambda s: s.kept):  # stable: LRU within each
+        ordered = idle if self.plain_lru else sorted(idle, key=lambda s: s.kept)
+        for segment in ordered:  # a stable sort: LRU within each level
             if needed <= 0:
                 break
             picked.append(segment)

@@ -42,19 +42,10 @@ from hybridkv.tiers.disk import index, preads, reads, segments
 from hybridkv.tiers.disk.batches import read_tasks, runs
 from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
 from hybridkv.tiers.disk.directory import SegmentDirectory
-from hybridkv.tiers.disk.files import (
-    DiskTierInUse,
-    Quarantine,
-)
+from hybridkv.tiers.disk.files import DiskTierInUse, Quarantine
 from hybridkv.tiers.disk.records import Entry, FileWork, Reservation, Segment
 from hybridkv.tiers.disk.scan import ScanReport
-from hybridkv.tiers.disk.segments import (
-    SLOT_BYTES,
-    Geometry,
-    Slot,
-    SlotState,
-    slot_offset,
-)
+from hybridkv.tiers.disk.segments import SLOT_BYTES, Geometry, Slot, SlotState, slot_offset
 from hybridkv.tiers.disk.table import SegmentTable
 from hybridkv.tiers.log_once import LogOnce
 
@@ -133,6 +124,11 @@ class DiskTier(Tier):
             rows = [row for row in self._table.index.find(digests).tolist() if row >= 0]
             for segment in self._table.segments_at(rows):
                 self._dir.mark_reused(segment)
+
+    def use_plain_lru(self, on: bool) -> None:
+        """While ``on``, segments go least recently used first, marks or not (kept)."""
+        with self._lock:
+            self._table.plain_lru = on
 
     def evicts_reused(self, num_bytes: int) -> bool | None:
         """Whether ``num_bytes`` more find no room without evicting a segment that holds

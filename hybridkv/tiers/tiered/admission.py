@@ -32,6 +32,9 @@ class Admitting:
     tiers: tuple[Tier, ...]
     _sends_all: bool
     """Every store goes on to the slower tiers (else only what is admitted)."""
+    _plain_lru: bool
+    """For now every store goes on, and the tiers evict by recency alone
+    (``use_plain_lru``)."""
     _room: SlowerRoom
     """Where not every store goes on: whether the slower tiers still have free room."""
     _memory: StoreMemory | None
@@ -51,14 +54,16 @@ class Admitting:
         """Send blocks held in the first tier on to the slower tiers (write-back, or now
         without it); returns how many were there to send. ``sizes``: each block's bytes.
 
-        With ``Admission.ALL`` every store went on already: nothing to do. A key the
+        With ``Admission.ALL``, or while plain LRU, every store went on already:
+        nothing to do (sending one the slower tiers evicted since would push out others
+        that plain recency keeps). A key the
         first tier no longer holds (evicted, never stored) is skipped: recomputing it
         is the fallback. Reading a block to send it on counts as a get there and makes
         it most recent.
         """
         if len(keys) != len(sizes):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes; give one size per key")
-        if self._sends_all or len(self.tiers) == 1 or not keys:
+        if self._sends_all or self._plain_lru or len(self.tiers) == 1 or not keys:
             return 0
         if self._memory is not None:
             held, views = self._borrow_first(keys, sizes)
@@ -79,6 +84,13 @@ class Admitting:
         elif ok:
             self._write_lower(ok_keys, [buffers[j] for j in ok])
         return len(ok)
+
+    def use_plain_lru(self, on: bool) -> None:
+        """While ``on`` (``connector.returns``), every store goes on past the first
+        tier, and each tier evicts least recently used first."""
+        self._plain_lru = on
+        for index, tier in enumerate(self.tiers):
+            self._guard.call(index, "plain lru", None, tier.use_plain_lru, on)
 
     def _note_pending(self, keys: Sequence[StoreKey]) -> None:
         with self._lock:
@@ -104,7 +116,7 @@ class Admitting:
         if self._sends_all:
             self._count_sent_on(len(keys), 0)
             self._send_borrowed(keys, views)
-        elif self._room.take(sum(len(view) for view in views)):
+        elif self._plain_lru or self._room.take(sum(len(view) for view in views)):
             held, held_views = self._borrow_first(keys, [len(view) for view in views])
             self._count_sent_on(len(held), len(keys) - len(held))
             if held:

@@ -88,6 +88,7 @@ class TieredStore(Admitting, Tier):
         self.promote = promote
         self.admission = admission
         self._sends_all = admission is Admission.ALL and len(self.tiers) > 1
+        self._plain_lru = False
         self.load_weight = min(tier.load_weight for tier in self.tiers)
         self._read_order = sorted(range(len(tiers)), key=lambda i: (tiers[i].load_weight, i))
         takers = [i for i, tier in enumerate(self.tiers) if tier.accepts_promotions]
@@ -218,7 +219,8 @@ class TieredStore(Admitting, Tier):
         """
         check_batch(keys, buffers, checksums)
         first = self._put_into(0, keys, buffers, checksums)
-        room = not self._sends_all and self._room.take(sum(len(buffer) for buffer in buffers))
+        wanted = sum(len(buffer) for buffer in buffers)
+        room = not self._sends_all and (self._plain_lru or self._room.take(wanted))
         if not self._sends_all and not room:
             results = list(first)
             self._count_sent_on(0, results.count(PutStatus.OK))

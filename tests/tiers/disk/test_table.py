@@ -191,6 +191,33 @@ def test_an_eviction_passing_over_a_hit_segment_takes_its_hit() -> None:
     t.check()
 
 
+def test_plain_lru_evicts_least_recently_used_first_marks_or_not() -> None:
+    """While most first sightings come back (``connector.returns``) the levels and the
+    clock rest: segments go in plain recency order, and come back when it ends."""
+    t = table(3)
+    for name in ("h1", "h2", "w1", "w2", "p1", "p2"):  # oldest first; the table is full
+        put(t, name, reused=not name.startswith("p"))
+    hit, written = t.segments[segment_of(t, "h1")], t.segments[segment_of(t, "w1")]
+    plain = t.segments[segment_of(t, "p1")]
+    assert t.mark_hit(hit)
+    by_level = t.victims(2 * SEGMENT.size)
+    assert by_level is not None and [v.seq for v in by_level] == [plain.seq, written.seq]
+    t.plain_lru = True
+    victims = t.victims(2 * SEGMENT.size)
+    assert victims is not None and [v.seq for v in victims] == [hit.seq, written.seq]
+    work = FileWork()
+    reserved = t.reserve(0, digest("n1"), 8192, work, reused=True)
+    assert isinstance(reserved, Reservation)
+    assert work.passed == [] and hit.hit, "no clock: the hit segment went as it was"
+    assert t.entry(digest("h1")) is None and t.entry(digest("p1")) is not None
+    open_all(work)
+    t.commit_part([reserved], written=True)
+    t.plain_lru = False
+    victims = t.victims(SEGMENT.size)
+    assert victims is not None and [v.seq for v in victims] == [plain.seq]
+    t.check()
+
+
 def test_a_batch_stores_again_what_its_own_reservations_evicted() -> None:
     t = table(2)
     for name in "abcd":  # A = (a, b), B = (c, d): A least recently used

@@ -1,0 +1,128 @@
+"""``admission: reused`` goes plain LRU while most first sightings come back
+(``connector.returns``): every store reaches the slower tiers, nothing is admitted,
+and no tier keeps marked or read blocks over others; back once most do not. The
+share on its own, then on the simulated engine over a real CPU tier and a real disk
+tier full of marked objects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridkv.connector import returns
+from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.returns import ReturnShare
+from hybridkv.groups import GroupKind, ModelGroups
+from hybridkv.tiers.base import StoreKey
+from hybridkv.tiers.cpu import CpuTier
+from hybridkv.tiers.disk.tier import DiskTier
+from tests.support.connector import (
+    assert_kv_matches_cold,
+    block_keys,
+    close_engine,
+    disk_tier,
+    fill_disk,
+    make_config,
+    make_engine,
+    prompt,
+    run_to_end,
+    wait_loaded,
+)
+from tests.support.sim import SimEngine, make_groups
+
+BLOCK_SIZE = 4
+CHUNK = 32
+HASH_TOKENS = 16
+
+
+def test_the_share_decides_only_past_enough_first_sightings() -> None:
+    share = ReturnShare(HASH_TOKENS)
+    needed = returns.MIN_FIRST_TOKENS // HASH_TOKENS
+    share.noted(needed - 1, 0)
+    share.noted(0, 4 * needed)  # every first sighting came back, but too few yet
+    assert share.share > returns.ENTER and not share.plain_lru
+    share.noted(1, 0)
+    assert share.plain_lru
+
+
+def test_documents_asked_again_go_plain_lru_and_one_off_prompts_go_back() -> None:
+    share = ReturnShare(HASH_TOKENS)
+    doc = 16  # hashes of a 256-token document
+    for _ in range(16):  # first questions, then the second of each
+        share.noted(doc + 2, 0)
+    assert not share.plain_lru, "nothing came back yet"
+    for _ in range(16):
+        share.noted(2, doc)
+    assert share.share >= returns.ENTER and share.plain_lru
+    while share.share > returns.LEAVE + 0.05:  # one-off prompts: between the two, it stays
+        share.noted(doc, 0)
+        assert share.plain_lru
+    while share.plain_lru:
+        share.noted(doc, 0)
+    assert share.share <= returns.LEAVE
+
+
+def test_a_full_disk_takes_first_sightings_while_most_come_back(tmp_path: Path) -> None:
+    model_groups = make_groups((GroupKind.SLIDING_WINDOW, GroupKind.FULL), block_size=BLOCK_SIZE)
+    config = make_config(tmp_path, admission="reused", disk_capacity_bytes="4MiB")
+    engine = make_engine(model_groups, config)
+    fill_disk(engine.worker.store.tiers[1])  # with objects noted reused
+    cpu, disk = engine.worker.store.tiers
+    assert isinstance(cpu, CpuTier) and isinstance(disk, DiskTier)
+    docs = [prompt(256, seed=1000 + d) for d in range(12)]  # 12 x 64 hashes: enough
+    for n, doc in enumerate(docs * 2):  # each asked twice
+        run(engine, f"doc {n}", doc + prompt(8, seed=n))
+        if n < len(docs):
+            assert not engine.last_meta.plain_lru, "nothing came back yet"
+    assert engine.last_meta.plain_lru
+    assert cpu._index.stored.plain_lru and disk._table.plain_lru
+    tokens = prompt(256, seed=5000)
+    run(engine, "first sighting, plain LRU", tokens)
+    stored = stored_keys(model_groups, engine, tokens)
+    assert stored and all(on_disk(config, stored)), "the full, marked disk took it"
+    sent = [*(doc + prompt(8, seed=n) for n, doc in enumerate(docs * 2)), tokens]
+    while engine.last_meta.plain_lru:
+        sent.append(prompt(256, seed=6000 + len(sent)))
+        run(engine, f"one-off {len(sent)}", sent[-1])
+        assert len(sent) < 200, "one-off prompts never took the tiers back"
+    assert not (cpu._index.stored.plain_lru or disk._table.plain_lru)
+    disk.note_reused_many([k for t in sent for k in every_key(model_groups, t)])
+    assert disk.evicts_reused(1) is True, "every segment on disk is marked now"
+    tokens = prompt(256, seed=9000)
+    run(engine, "first sighting, reused", tokens)
+    stored = stored_keys(model_groups, engine, tokens)
+    assert stored and not any(on_disk(config, stored)), "held back again"
+    close_engine(engine)
+
+
+def every_key(model_groups: ModelGroups, tokens: list[int]) -> list[StoreKey]:
+    blocks = range(len(tokens) // BLOCK_SIZE)
+    groups = range(model_groups.num_groups)
+    return [key for g in groups for key in block_keys(model_groups, tokens, g, blocks)]
+
+
+def run(engine: SimEngine, req_id: str, tokens: list[int]) -> None:
+    """The request from lookup to its last token (a hit's KV checked against a cold run),
+    its stores written through."""
+    if engine.add(req_id, tokens):
+        req = wait_loaded(engine, req_id)
+        if req.outcomes[-1].ok:
+            assert assert_kv_matches_cold(engine, req, req.num_computed) > 0
+    run_to_end(engine, req_id, CHUNK)
+    engine.settle()
+    assert engine.finish(req_id) is False
+    assert engine.worker.store.flush(30)
+
+
+def stored_keys(model_groups: ModelGroups, engine: SimEngine, tokens: list[int]) -> list[StoreKey]:
+    """Every group's keys of ``tokens`` that the CPU tier holds (what was stored)."""
+    keys = every_key(model_groups, tokens)
+    held = engine.worker.store.tiers[0].contains_many(keys)
+    return [k for k, h in zip(keys, held, strict=True) if h]
+
+
+def on_disk(config: ConnectorConfig, keys: list[StoreKey]) -> list[bool]:
+    reader = disk_tier(config)  # another process's view
+    try:
+        return reader.contains_many(keys)
+    finally:
+        reader.close()
