@@ -46,6 +46,8 @@ class Admitting:
     _num_admitted: int
     _num_rejected: int
     """Blocks sent on to (held back from) each slower tier: the same for each."""
+    _num_lost: int
+    """Blocks admitted that the first tier no longer held."""
     _reused_pending: set[StoreKey]
     """Admitted by ``admit_many``, not written yet: noted reused in the slower tiers
     once written (``Tier.note_reused_many``)."""
@@ -67,7 +69,7 @@ class Admitting:
             return 0
         if self._memory is not None:
             held, views = self._borrow_first(keys, sizes)
-            self._count_sent_on(len(held), 0)
+            self._count_sent_on(len(held), 0, num_lost=len(keys) - len(held))
             if held:
                 self._note_pending(held)
                 self._send_borrowed(held, views)
@@ -75,7 +77,7 @@ class Admitting:
         buffers = [np.empty(size, np.uint8) for size in sizes]
         found = self._get_from(0, keys, buffers)
         ok = [j for j, status in enumerate(found) if status is GetStatus.OK]
-        self._count_sent_on(len(ok), 0)
+        self._count_sent_on(len(ok), 0, num_lost=len(keys) - len(ok))
         ok_keys = [keys[j] for j in ok]
         self._note_pending(ok_keys)
         if self._write_back is not None:
@@ -135,11 +137,12 @@ class Admitting:
         finally:
             self._release_first(keys)
 
-    def _count_sent_on(self, num_admitted: int, num_rejected: int) -> None:
+    def _count_sent_on(self, num_admitted: int, num_rejected: int, num_lost: int = 0) -> None:
         if len(self.tiers) > 1:
             with self._lock:
                 self._num_admitted += num_admitted
                 self._num_rejected += num_rejected
+                self._num_lost += num_lost
 
     def _borrow_first(
         self, keys: Sequence[StoreKey], sizes: Sequence[int]

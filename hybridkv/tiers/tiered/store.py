@@ -101,6 +101,7 @@ class TieredStore(Admitting, Tier):
         self._num_admitted = 0
         self._reused_pending = set()
         self._num_rejected = 0
+        self._num_lost = 0
         self._lock = threading.Lock()
         self._changes: ChangeLog | None = None
         first = self.tiers[0].memory()
@@ -371,6 +372,7 @@ class TieredStore(Admitting, Tier):
             stats.errors = self._guard.num_errors()
             stats.admitted = self._num_admitted * (self.num_tiers - 1)
             stats.rejected = self._num_rejected * (self.num_tiers - 1)
+            stats.admission_lost = self._num_lost * (self.num_tiers - 1)
         return stats
 
     def stats_by_tier(self) -> dict[str, TierStats]:
@@ -386,6 +388,7 @@ class TieredStore(Admitting, Tier):
                 stats.errors += self._guard.num_errors(index)
                 if index > 0:
                     stats.admitted, stats.rejected = self._num_admitted, self._num_rejected
+                    stats.admission_lost = self._num_lost
             result[name] = stats
         return result
 

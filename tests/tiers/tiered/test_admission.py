@@ -115,6 +115,7 @@ def test_admitted_blocks_go_on_from_the_first_tier(tmp_path: Path, write_back: b
     assert_reads_back(store.tiers[1], keys[2:5])
     disk_stats = store.stats_by_tier()["disk"]
     assert (disk_stats.admitted, disk_stats.rejected) == (3, 8)
+    assert disk_stats.admission_lost == 1  # the block the first tier did not hold
     store.check_integrity()  # every borrow the admission took was released
     store.tiers[0].delete_many(keys)  # nothing left pinned: deletes go through
     assert store.tiers[0].usage().num_objects == 0
@@ -129,9 +130,11 @@ def test_admission_reads_a_first_tier_without_memory(tmp_path: Path) -> None:
     keys = [key(i) for i in range(4)]
     store_by_put(store, keys)
     assert on_disk(store, keys) == [False] * 4
-    assert store.admit_many(keys[:2], [SIZE] * 2) == 2
+    assert store.admit_many([*keys[:2], key(99)], [SIZE] * 3) == 2
     assert on_disk(store, keys) == [True] * 2 + [False] * 2
     assert_reads_back(store.tiers[1], keys[:2])
+    assert list(store.stats_by_tier().values())[1].admission_lost == 1
+    assert store.stats().admission_lost == 1
     store.close()
 
 
