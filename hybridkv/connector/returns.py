@@ -11,9 +11,9 @@ time and those seen for the second, and once the second reach ``ENTER`` of the
 first the tiers go plain LRU (every store sent on, nothing admitted, no
 tier keeping marked or read blocks over others), until they fall to ``LEAVE``.
 
-In ``benchmarks/bench_eviction.py`` the share is about 0.13 on the mixed
-workload and 0.87 on long-doc-qa (question tails are the first sightings that
-never come back).
+In ``benchmarks/bench_eviction.py`` the share stays under 0.25 on the mixed
+workload and passes 0.6 about a third of the way into long-doc-qa (question
+tails are the first sightings there that never come back).
 """
 
 from __future__ import annotations

@@ -103,12 +103,13 @@ class TierStats:
     """Set by the tiered store: blocks stored in its first tier and held back from this
     one (``Admission.REUSED``); one admitted later counts here and in ``admitted``."""
     admission_lost: int = counter(
-        "Blocks admitted that the first tier no longer held (not sent on)",
+        "Blocks admitted that the first tier did not hold (evicted, or never stored)",
         name="tier_admission_lost_blocks",
         labels=_TIER,
     )
-    """Set by the tiered store: blocks ``admit_many`` named that the first tier had
-    evicted by then (``Admission.REUSED``); asked for again, they are recomputed."""
+    """Set by the tiered store: blocks ``admit_many`` named that the first tier did not
+    hold (``Admission.REUSED``): evicted before their admission ran, or never stored
+    (a prefix's blocks another rank or an earlier request was to store); not sent on."""
     pending_loads: int = gauge(
         "Keys being read from the tier when the metrics were taken",
         name="tier_pending_loads",

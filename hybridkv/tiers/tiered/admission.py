@@ -47,7 +47,7 @@ class Admitting:
     _num_rejected: int
     """Blocks sent on to (held back from) each slower tier: the same for each."""
     _num_lost: int
-    """Blocks admitted that the first tier no longer held."""
+    """Blocks admitted that the first tier did not hold."""
     _reused_pending: set[StoreKey]
     """Admitted by ``admit_many``, not written yet: noted reused in the slower tiers
     once written (``Tier.note_reused_many``)."""
