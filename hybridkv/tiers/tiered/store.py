@@ -220,8 +220,9 @@ class TieredStore(Admitting, Tier):
         """
         check_batch(keys, buffers, checksums)
         first = self._put_into(0, keys, buffers, checksums)
-        wanted = sum(len(buffer) for buffer in buffers)
-        room = not self._sends_all and (self._plain_lru or self._room.take(wanted))
+        room = not self._sends_all and (
+            self._plain_lru or self._room.take(sum(len(buffer) for buffer in buffers))
+        )
         if not self._sends_all and not room:
             results = list(first)
             self._count_sent_on(0, results.count(PutStatus.OK))

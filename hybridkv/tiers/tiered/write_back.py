@@ -144,8 +144,11 @@ class WriteBack:
         return _Taken.KEPT
 
     def _fits(self, num_bytes: int) -> bool:
-        used_bytes = self._allocator.allocated_bytes + self._borrowed_bytes
-        return not self._closed and used_bytes + num_bytes <= self.capacity_bytes
+        return not self._closed and self._used_bytes() + num_bytes <= self.capacity_bytes
+
+    def _used_bytes(self) -> int:
+        """Of the byte budget: copies in the arena and borrowed views (under the lock)."""
+        return self._allocator.allocated_bytes + self._borrowed_bytes
 
     def _enqueue(self, key: StoreKey, item: _Queued) -> None:
         self._queued[key] = item
@@ -229,7 +232,7 @@ class WriteBack:
     def queued_bytes(self) -> int:
         """Bytes queued and not written yet (copies and borrowed views)."""
         with self._cond:
-            return self._allocator.allocated_bytes + self._borrowed_bytes
+            return self._used_bytes()
 
     def snapshot(self) -> WriteBackStats:
         with self._cond:
