@@ -21,17 +21,17 @@ from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
 from tests.support.connector import (
     GatedTier,
-    assert_kv_matches_cold,
     block_keys,
     close_engine,
     disk_config,
-    disk_tier,
     fill_disk,
     make_config,
     make_engine,
+    on_disk,
     prompt,
+    run_request,
     run_to_end,
-    wait_loaded,
+    stored_keys,
 )
 from tests.support.sim import SimEngine, attention_page_bytes, make_groups
 
@@ -63,38 +63,7 @@ def full_disk_engine(model_groups: ModelGroups, config: ConnectorConfig) -> SimE
 
 
 def run(engine: SimEngine, req_id: str, tokens: list[int]) -> int:
-    """The request from lookup to its last token (its load checked against a cold run);
-    returns its hit."""
-    hit = engine.add(req_id, tokens)
-    if hit:
-        req = wait_loaded(engine, req_id)
-        assert req.outcomes[-1].ok
-        assert assert_kv_matches_cold(engine, req, hit) > 0
-    run_to_end(engine, req_id, CHUNK)
-    engine.settle()
-    assert engine.finish(req_id) is False
-    assert engine.worker.store.flush(30)
-    return hit
-
-
-def on_disk(config: ConnectorConfig, keys: list[StoreKey]) -> list[bool]:
-    reader = disk_tier(config)
-    try:
-        return reader.contains_many(keys)
-    finally:
-        reader.close()
-
-
-def stored_keys(model_groups: ModelGroups, engine: SimEngine, tokens: list[int]) -> list[StoreKey]:
-    """Every group's keys of ``tokens`` that the CPU tier holds (what was stored)."""
-    num_blocks = len(tokens) // BLOCK_SIZE
-    keys = [
-        k
-        for g in range(model_groups.num_groups)
-        for k in block_keys(model_groups, tokens, g, range(num_blocks))
-    ]
-    held = engine.worker.store.tiers[0].contains_many(keys)
-    return [k for k, h in zip(keys, held, strict=True) if h]
+    return run_request(engine, req_id, tokens, CHUNK)
 
 
 def full_keys(model_groups: ModelGroups, tokens: list[int], blocks: range) -> list[StoreKey]:

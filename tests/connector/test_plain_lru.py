@@ -9,25 +9,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridkv.connector import returns
-from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.returns import ReturnShare
-from hybridkv.groups import GroupKind, ModelGroups
-from hybridkv.tiers.base import StoreKey
+from hybridkv.groups import GroupKind
 from hybridkv.tiers.cpu import CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from tests.support.connector import (
-    assert_kv_matches_cold,
-    block_keys,
     close_engine,
-    disk_tier,
+    every_key,
     fill_disk,
     make_config,
     make_engine,
+    on_disk,
     prompt,
-    run_to_end,
-    wait_loaded,
+    run_request,
+    stored_keys,
 )
-from tests.support.sim import SimEngine, make_groups
+from tests.support.sim import make_groups
 
 BLOCK_SIZE = 4
 CHUNK = 32
@@ -70,59 +67,25 @@ def test_a_full_disk_takes_first_sightings_while_most_come_back(tmp_path: Path) 
     assert isinstance(cpu, CpuTier) and isinstance(disk, DiskTier)
     docs = [prompt(256, seed=1000 + d) for d in range(12)]  # 12 x 64 hashes: enough
     for n, doc in enumerate(docs * 2):  # each asked twice
-        run(engine, f"doc {n}", doc + prompt(8, seed=n))
+        run_request(engine, f"doc {n}", doc + prompt(8, seed=n), CHUNK)
         if n < len(docs):
             assert not engine.last_meta.plain_lru, "nothing came back yet"
     assert engine.last_meta.plain_lru
     assert cpu._index.stored.plain_lru and disk._table.plain_lru
     tokens = prompt(256, seed=5000)
-    run(engine, "first sighting, plain LRU", tokens)
+    run_request(engine, "first sighting, plain LRU", tokens, CHUNK)
     stored = stored_keys(model_groups, engine, tokens)
     assert stored and all(on_disk(config, stored)), "the full, marked disk took it"
     sent = [*(doc + prompt(8, seed=n) for n, doc in enumerate(docs * 2)), tokens]
     while engine.last_meta.plain_lru:
         sent.append(prompt(256, seed=6000 + len(sent)))
-        run(engine, f"one-off {len(sent)}", sent[-1])
+        run_request(engine, f"one-off {len(sent)}", sent[-1], CHUNK)
         assert len(sent) < 200, "one-off prompts never took the tiers back"
     assert not (cpu._index.stored.plain_lru or disk._table.plain_lru)
     disk.note_reused_many([k for t in sent for k in every_key(model_groups, t)])
     assert disk.evicts_reused(1) is True, "every segment on disk is marked now"
     tokens = prompt(256, seed=9000)
-    run(engine, "first sighting, reused", tokens)
+    run_request(engine, "first sighting, reused", tokens, CHUNK)
     stored = stored_keys(model_groups, engine, tokens)
     assert stored and not any(on_disk(config, stored)), "held back again"
     close_engine(engine)
-
-
-def every_key(model_groups: ModelGroups, tokens: list[int]) -> list[StoreKey]:
-    blocks = range(len(tokens) // BLOCK_SIZE)
-    groups = range(model_groups.num_groups)
-    return [key for g in groups for key in block_keys(model_groups, tokens, g, blocks)]
-
-
-def run(engine: SimEngine, req_id: str, tokens: list[int]) -> None:
-    """The request from lookup to its last token (a hit's KV checked against a cold run),
-    its stores written through."""
-    if engine.add(req_id, tokens):
-        req = wait_loaded(engine, req_id)
-        if req.outcomes[-1].ok:
-            assert assert_kv_matches_cold(engine, req, req.num_computed) > 0
-    run_to_end(engine, req_id, CHUNK)
-    engine.settle()
-    assert engine.finish(req_id) is False
-    assert engine.worker.store.flush(30)
-
-
-def stored_keys(model_groups: ModelGroups, engine: SimEngine, tokens: list[int]) -> list[StoreKey]:
-    """Every group's keys of ``tokens`` that the CPU tier holds (what was stored)."""
-    keys = every_key(model_groups, tokens)
-    held = engine.worker.store.tiers[0].contains_many(keys)
-    return [k for k, h in zip(keys, held, strict=True) if h]
-
-
-def on_disk(config: ConnectorConfig, keys: list[StoreKey]) -> list[bool]:
-    reader = disk_tier(config)  # another process's view
-    try:
-        return reader.contains_many(keys)
-    finally:
-        reader.close()

@@ -259,3 +259,45 @@ def store_prompt(
     first.settle()
     assert first.finish("cold") is False
     close_engine(first)  # flushes the write-back: the disk tier holds every block
+
+
+def run_request(engine: SimEngine, req_id: str, tokens: list[int], chunk: int) -> int:
+    """The request from lookup to its last token (its load checked against a cold run),
+    its stores written through to every tier; returns its hit."""
+    hit = engine.add(req_id, tokens)
+    if hit:
+        req = wait_loaded(engine, req_id)
+        assert req.outcomes[-1].ok
+        assert assert_kv_matches_cold(engine, req, hit) > 0
+    run_to_end(engine, req_id, chunk)
+    engine.settle()
+    assert engine.finish(req_id) is False
+    assert engine.worker.store.flush(30)
+    return hit
+
+
+def every_key(model_groups: ModelGroups, tokens: Sequence[int]) -> list[StoreKey]:
+    """Every group's store keys of ``tokens``' whole blocks."""
+    return [
+        key
+        for g, group in enumerate(model_groups.groups)
+        for key in block_keys(model_groups, tokens, g, range(len(tokens) // group.block_size))
+    ]
+
+
+def stored_keys(
+    model_groups: ModelGroups, engine: SimEngine, tokens: Sequence[int]
+) -> list[StoreKey]:
+    """Every group's keys of ``tokens`` that the first tier holds (what was stored)."""
+    keys = every_key(model_groups, tokens)
+    held = engine.worker.store.tiers[0].contains_many(keys)
+    return [k for k, h in zip(keys, held, strict=True) if h]
+
+
+def on_disk(config: ConnectorConfig, keys: Sequence[StoreKey]) -> list[bool]:
+    """Which keys the config's disk tier holds, as another process sees it."""
+    reader = disk_tier(config)
+    try:
+        return reader.contains_many(keys)
+    finally:
+        reader.close()
