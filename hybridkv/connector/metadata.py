@@ -11,6 +11,7 @@ the same way, tagged with the rank that moved them.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,6 +48,15 @@ class BlockTransfer:
         assert len(self.block_hashes) == len(self.block_ids) == len(self.block_indices), self
         assert 0 not in self.block_ids, "the null block is never transferred"
 
+    def picked(self, positions: Sequence[int]) -> BlockTransfer:
+        """The blocks at these positions of this transfer."""
+        return BlockTransfer(
+            group_id=self.group_id,
+            block_hashes=tuple(self.block_hashes[j] for j in positions),
+            block_ids=tuple(self.block_ids[j] for j in positions),
+            block_indices=tuple(self.block_indices[j] for j in positions),
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class LoadPlan:
@@ -73,6 +83,9 @@ class StorePlan:
 
     req_id: str
     transfers: tuple[BlockTransfer, ...]
+    refresh: tuple[BlockTransfer, ...] = ()
+    """Blocks the engine's own cache served the request, admitted this step: stored
+    again from it only where the first tier no longer holds them (evicted since)."""
 
 
 @dataclass(frozen=True, kw_only=True)

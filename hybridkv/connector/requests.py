@@ -57,6 +57,8 @@ class RequestState:
     """Its chain's first hashes another request reached too (or it loaded)."""
     admitted_hashes: int = 0
     """Blocks ending within its first hashes were sent to be admitted."""
+    engine_cached_tokens: int = 0
+    """Tokens the engine's own cache held at its last lookup."""
 
     def hash_up_to(self, token_ids: Sequence[int], end: int) -> None:
         """Hash the request's tokens up to ``end`` (those not hashed yet)."""

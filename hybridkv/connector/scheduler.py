@@ -130,6 +130,7 @@ class ConnectorScheduler:
     ) -> LookupResult:
         """Tokens beyond ``num_computed_tokens`` that can be loaded (the engine keeps >= 1)."""
         st = self._state(req_id, cache_salt, lora_name)
+        st.engine_cached_tokens = num_computed_tokens
         st.hash_up_to(token_ids, len(token_ids))
         if self.admission is not None and st.cacheable:
             self.admission.note(st)
@@ -278,10 +279,10 @@ class ConnectorScheduler:
         stores: list[StorePlan] = []
         admitted: list[BlockRef] = []
         for req in step.scheduled:
-            plan = self._plan_stores(req)
+            refs, plan = self._admits(req, self._plan_stores(req))
             if plan is not None:
                 stores.append(plan)
-            admitted += self._admits(req, plan)
+            admitted += refs
         meta = ConnectorMetadata(
             loads=tuple(self._loads),
             stores=tuple(stores),
@@ -302,13 +303,23 @@ class ConnectorScheduler:
         st.table.append(req.new_block_ids)
         return self.stores.plan(st, req, self.alignment_tokens)
 
-    def _admits(self, req: ScheduledRequest, plan: StorePlan | None) -> list[BlockRef]:
+    def _admits(
+        self, req: ScheduledRequest, plan: StorePlan | None
+    ) -> tuple[list[BlockRef], StorePlan | None]:
         """The blocks this step of ``req`` admits to the slower tiers (none without
-        ``Admission.REUSED``)."""
+        ``Admission.REUSED``), and its stores, with those of them the engine's own cache
+        served it to store again (``StorePlanner.refresh``; not while plain LRU)."""
         st = self._requests[req.req_id]
         if self.admission is None or not st.cacheable:
-            return []
-        return self.admission.admits(st, req, plan)
+            return [], plan
+        refs = self.admission.admits(st, req, plan)
+        if self.admission.plain_lru:
+            return refs, plan
+        refresh = self.stores.refresh(st, req, set(refs), self.alignment_tokens)
+        if refresh:
+            transfers = () if plan is None else plan.transfers
+            plan = StorePlan(req_id=req.req_id, transfers=transfers, refresh=refresh)
+        return refs, plan
 
     # --- results and the end of a request --------------------------------------
 

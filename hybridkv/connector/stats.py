@@ -41,6 +41,10 @@ class GroupCounts:
     store_dropped_blocks: int = counter(
         "Blocks not stored (backpressure, a full or failing tier)", labels=_GROUP
     )
+    refreshed_blocks: int = counter(
+        "Blocks admitted after the first tier evicted them, stored again from the KV cache",
+        labels=_GROUP,
+    )
 
 
 @dataclass(kw_only=True)

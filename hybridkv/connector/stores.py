@@ -6,13 +6,15 @@ each aligned segment, Mamba only aligned states) are sent for storing once (a
 recent block is not sent again), except blocks a worker reported dropped or
 lost, or a lookup found in no tier, which may be sent again. Until every rank
 confirms a block, it counts as stored for lookups (read-your-writes; the worker
-loads it only after its store is done).
+loads it only after its store is done). Blocks the engine's own cache served a
+request are stored again where they are admitted (``refresh``): the first tier
+may have evicted them since.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from hybridkv.connector.lookup import BoundedKeySet
 from hybridkv.connector.metadata import BlockRef, BlockTransfer, RankReport, StorePlan
@@ -43,6 +45,9 @@ class StorePlanner:
         self._recent: BoundedKeySet[BlockRef] = BoundedKeySet(RECENT_STORES)
         self._storing: OrderedDict[BlockRef, int] = OrderedDict()
         """Blocks sent for storing -> ranks that have not confirmed them yet."""
+        self._refreshable = all(
+            rules_for(group.kind).blocks_stay_computed for group in model_groups.groups
+        )
 
     def plan(
         self, st: RequestState, req: ScheduledRequest, alignment_tokens: int
@@ -81,6 +86,33 @@ class StorePlanner:
         if not transfers:
             return None
         return StorePlan(req_id=req.req_id, transfers=tuple(transfers))
+
+    def refresh(
+        self,
+        st: RequestState,
+        req: ScheduledRequest,
+        admitted: Collection[BlockRef],
+        alignment_tokens: int,
+    ) -> tuple[BlockTransfer, ...]:
+        """Of the blocks admitted at the step that hands over a request's whole table,
+        those the engine's own cache served it (``StorePlan.refresh``). Another request
+        stored them, and the first tier may have evicted them since. Only where every
+        group's blocks keep their KV (a hit needs every group)."""
+        cached = min(st.engine_cached_tokens, req.num_computed_tokens)
+        if not (admitted and req.replaces_block_ids and cached and self._refreshable):
+            return ()
+        transfers: list[BlockTransfer] = []
+        for group_id, group in enumerate(self.model_groups.groups):
+            ids = st.table.block_ids[group_id]
+            rule = rules_for(group.kind)
+            stored = rule.stored_blocks(group, 0, cached, alignment_tokens, self.drafting[group_id])
+            indices = [i for i in stored if i < len(ids) and ids[i] != 0]
+            hashes = self.builder.block_hashes(group_id, st.hasher.block_hashes, indices)
+            keep = [n for n, h in enumerate(hashes) if BlockRef(group_id, h) in admitted]
+            if keep:
+                served = make_transfer(group_id, hashes, [ids[i] for i in indices], indices)
+                transfers.append(served.picked(keep))
+        return tuple(transfers)
 
     def is_storing(self, ref: BlockRef) -> bool:
         return ref in self._storing

@@ -8,7 +8,9 @@ load of a block this worker is still storing waits for that store. Stores are
 copied out of the KV tensors from ``save`` on (the step that computed them;
 asynchronously on CUDA, where ``fence`` keeps the engine from writing a block
 before its copy is done) and written to the tiers in the background; a store
-that cannot be queued is dropped and reported. With ``EvictionOrder.CHAIN`` each
+that cannot be queued is dropped and reported. Blocks the engine's own cache
+served a request, admitted now, are stored again if the first tier has evicted
+them (``StorePlan.refresh``). With ``EvictionOrder.CHAIN`` each
 request's blocks are touched in the tiers, last block first, whenever some were
 stored or loaded (``connector.recency``). With ``Admission.REUSED`` the blocks
 the scheduler admits are sent on from the first tier to the slower ones
@@ -166,7 +168,8 @@ class ConnectorWorker:
         """Gather this step's blocks now; the tiers are written in the background."""
         engine = self._engine()
         for plan in stores:
-            for p in self._split(plan.req_id, plan.transfers):
+            transfers = (*plan.transfers, *self._evicted(plan.refresh))
+            for p in self._split(plan.req_id, transfers):
                 counts = self.stats.groups[p.part.group_id]
                 job_id = engine.submit_store((p.part,))
                 if job_id is None:
@@ -177,6 +180,18 @@ class ConnectorWorker:
                 self._storing.update(p.part.keys)
                 if self.chains is not None:
                     self.chains.start_store(plan.req_id)
+
+    def _evicted(self, refresh: Sequence[BlockTransfer]) -> list[BlockTransfer]:
+        """Of blocks to store again (``StorePlan.refresh``), those the first tier no
+        longer holds."""
+        out: list[BlockTransfer] = []
+        for t in refresh:
+            held = self.store.first_holds(self.keys.keys_of(t.group_id, t.block_hashes))
+            gone = [j for j, h in enumerate(held) if not h]
+            if gone:
+                self.stats.groups[t.group_id].refreshed_blocks += len(gone)
+                out.append(t.picked(gone))
+        return out
 
     def admit(self, refs: Sequence[BlockRef], *, plain_lru: bool = False) -> None:
         """Send these stored blocks on to the slower tiers (``Admission.REUSED``): now,

@@ -131,6 +131,42 @@ def test_a_prefix_computed_twice_is_admitted_once_its_store_ends(
     close_engine(restarted)
 
 
+@pytest.mark.parametrize("evicted", [True, False], ids=["evicted", "held"])
+@pytest.mark.parametrize("kinds", KINDS, ids=KIND_IDS)
+def test_a_prefix_the_engine_cache_serves_is_stored_again_if_the_cpu_tier_evicted_it(
+    tmp_path: Path, kinds: tuple[GroupKind, ...], evicted: bool
+) -> None:
+    """The second request reads the prefix from the engine's own cache and computes none
+    of it. Its admission sends the prefix on from the cpu tier, or, where that tier
+    evicted it, from the engine's blocks (stored again): not for a Mamba state, which a
+    step may advance, and so for no group of such a model (a hit needs every group)."""
+    model_groups = make_groups(kinds, block_size=BLOCK_SIZE)
+    config = full_disk_config(tmp_path, admission="reused")
+    engine = full_disk_engine(model_groups, config)
+    assert run(engine, "a", with_suffix(seed=1)) == 0
+    prefix_keys = stored_keys(model_groups, engine, PREFIX)
+    if evicted:
+        assert engine.worker.store.tiers[0].delete_many(prefix_keys) == len(prefix_keys)
+    assert run_request(engine, "b", with_suffix(seed=2), CHUNK, cached=len(PREFIX)) == 0
+    refreshable = MAMBA not in kinds
+    # The engine keeps a sliding window's last blocks only: the rest stays evicted.
+    kept = [k for g in range(len(kinds)) for k in full_keys(model_groups, PREFIX, range(16))]
+    if kinds == (SW, FULL):
+        kept = block_keys(model_groups, PREFIX, 0, range(14, 16)) + kept[16:]
+    expect = {k: not evicted or (refreshable and k in kept) for k in prefix_keys}
+    assert dict(zip(prefix_keys, on_disk(config, prefix_keys), strict=True)) == expect
+    refreshed = sum(c.refreshed_blocks for c in engine.worker.stats.groups)
+    assert refreshed == (evicted and refreshable) * sum(expect.values())
+    # Each group's 16 blocks were admitted; those the cpu tier did not hold are lost.
+    lost = engine.worker.store.stats_by_tier()["disk"].admission_lost
+    assert lost == 16 * len(kinds) - sum(expect.values())
+    close_engine(engine)
+    restarted = make_engine(model_groups, config)  # an empty cpu tier, the same disk
+    hit = run(restarted, "c", with_suffix(seed=3))
+    assert hit == (len(PREFIX) if not evicted or refreshable else 0)
+    close_engine(restarted)
+
+
 def small_tiers(tmp_path: Path, model_groups: ModelGroups, admission: str) -> ConnectorConfig:
     block_bytes = 2 * attention_page_bytes(BLOCK_SIZE)  # two layers per group
     num_groups = model_groups.num_groups

@@ -261,10 +261,13 @@ def store_prompt(
     close_engine(first)  # flushes the write-back: the disk tier holds every block
 
 
-def run_request(engine: SimEngine, req_id: str, tokens: list[int], chunk: int) -> int:
+def run_request(
+    engine: SimEngine, req_id: str, tokens: list[int], chunk: int, *, cached: int = 0
+) -> int:
     """The request from lookup to its last token (its load checked against a cold run),
-    its stores written through to every tier; returns its hit."""
-    hit = engine.add(req_id, tokens)
+    its stores written through to every tier; returns its hit. The engine's own cache
+    serves its first ``cached`` tokens."""
+    hit = engine.add(req_id, tokens, cached=cached)
     if hit:
         req = wait_loaded(engine, req_id)
         assert req.outcomes[-1].ok

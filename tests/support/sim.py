@@ -217,10 +217,16 @@ class SimEngine:
 
     # --- requests ----------------------------------------------------------------
 
-    def add(self, req_id: str, tokens: Sequence[int], *, cache_salt: str | None = None) -> int:
-        """Admit a request: lookup, allocate; returns the tokens it will load."""
+    def add(
+        self, req_id: str, tokens: Sequence[int], *, cache_salt: str | None = None, cached: int = 0
+    ) -> int:
+        """Admit a request: lookup, allocate; returns the tokens it will load. The engine's
+        own prefix cache serves its first ``cached`` tokens (in the blocks kinds keep)."""
         req = SimRequest(req_id, list(tokens), [[] for _ in self.model_groups.groups])
         self.requests[req_id] = req
+        if cached:
+            self._allocate(req, cached, hit_tokens=cached)
+            self._compute(req, cached)
         self.scheduler.add_request(req_id, cache_salt=cache_salt)
         return self._admit(req)
 
@@ -379,7 +385,8 @@ class SimEngine:
                     t[ids[-(-end // bs) - 1], 0, 0] = row
                     continue
                 for p in range(start, end):
-                    t[ids[p // bs], :, p % bs, :] = token_kv(req.tokens, p, layer)
+                    if ids[p // bs]:  # not a block the engine left out
+                        t[ids[p // bs], :, p % bs, :] = token_kv(req.tokens, p, layer)
         req.num_computed = end
 
     # --- reading KV back ---------------------------------------------------------------

@@ -82,6 +82,10 @@ class KindRules:
     """A block of the hit the engine left unallocated (the null block) makes the load
     impossible. False: the engine keeps only the blocks it reads (sliding windows,
     local chunks) and the others are skipped."""
+    blocks_stay_computed: ClassVar[bool] = True
+    """A block wholly before a request's computed tokens keeps their KV while the
+    request holds it. False for a recurrent state: a step may advance the state block
+    it starts from."""
 
     # --- hit search --------------------------------------------------------------
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 class MambaRules(KindRules):
     kind: ClassVar[GroupKind] = GroupKind.MAMBA
     widens_for_eagle = False
+    blocks_stay_computed = False
 
     def stride(self, a: int) -> tuple[int, int]:
         return a - 1, a

@@ -126,7 +126,8 @@ class BlockEvents:
         for plan in plans:
             request = requests.get(plan.req_id)
             if request is not None:
-                for transfer in plan.transfers:
+                refresh = plan.refresh if isinstance(plan, StorePlan) else ()
+                for transfer in (*plan.transfers, *refresh):
                     self._note(request, transfer)
         while self._pending_tokens > self.max_pending_tokens:
             self._pending_tokens -= len(self._pending.popitem(last=False)[1].token_ids)

@@ -141,6 +141,10 @@ class TieredStore(Admitting, Tier):
             self._stats.hits += sum(found)
         return found
 
+    def first_holds(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Whether ``tiers[0]`` holds each key (not counted as a lookup)."""
+        return self._contains_in(0, keys)
+
     def _contains_in(self, index: int, keys: Sequence[StoreKey]) -> list[bool]:
         return self._guard.batch(index, "contains", False, self.tiers[index].contains_many, keys)
 

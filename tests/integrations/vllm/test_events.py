@@ -125,6 +125,24 @@ def block_events(num_tiers: int = 2) -> BlockEvents:
     )
 
 
+def test_blocks_stored_again_carry_the_engine_s_names_too() -> None:
+    """Blocks the engine's own cache served a request, stored again where the CPU tier
+    evicted them (``StorePlan.refresh``), are named from that request."""
+    tokens = list(range(100, 100 + 4 * HASH_BLOCK_SIZE))
+    req = request("again", tokens)
+    indices = range(1, 4)
+    refs = our_refs(tokens, 0, indices)
+    again = plan(req.request_id, refs, indices)
+    stores = (StorePlan(req_id=req.request_id, transfers=(), refresh=again.transfers),)
+    ours = block_events()
+    ours.note_plans(ConnectorMetadata(stores=stores), {req.request_id: req})
+    ours.take_report(changes(0, refs, True))
+    (event,) = ours.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == gpu_events(req, 0, 4).block_hashes[1:]
+    assert ours.num_unnamed == 0
+
+
 def test_stored_blocks_carry_the_engine_s_names_of_them() -> None:
     tokens = list(range(100, 100 + 7 * HASH_BLOCK_SIZE))
     salted = {"cache_salt": "tenant-a", "lora_request": LoRARequest("adapter", 3, "/loras/a")}
