@@ -91,30 +91,34 @@ class AdmissionTracker:
     ) -> list[BlockRef]:
         """The blocks to admit after the step ``req`` of the request, which stores
         ``plan``: its stores within the shared prefix, and every group's blocks there,
-        up to where the step reached, not admitted yet (whoever stored them)."""
+        up to where the step reached, not admitted yet (whoever stored them). The
+        chain's last blocks come first, every group's at each position: the slower
+        tiers evict what they took first, so the prefix loses its tail first."""
         self.note(st)  # the tokens this step hashed
         reached_tokens = min(req.num_computed_tokens + req.num_scheduled_tokens, len(req.token_ids))
-        refs: dict[BlockRef, None] = {}
+        refs: dict[BlockRef, int] = {}
+        """-> the hashes the block ends at."""
         for t in () if plan is None else plan.transfers:
             m = self.builder.hashes_per_block(t.group_id)
             for index, block_hash in zip(t.block_indices, t.block_hashes, strict=True):
                 if (index + 1) * m <= st.shared_hashes:
-                    refs[BlockRef(t.group_id, block_hash)] = None
+                    refs[BlockRef(t.group_id, block_hash)] = (index + 1) * m
         reached = reached_tokens // self.model_groups.hash_block_size
         end = min(st.shared_hashes, reached, len(st.hasher.block_hashes))
         if end > st.admitted_hashes:
-            refs.update(dict.fromkeys(self._not_admitted(st, end)))
+            refs.update(self._not_admitted(st, end))
             st.admitted_hashes = end
-        return list(refs)
+        return sorted(refs, key=lambda ref: (-refs[ref], ref.group_id))
 
-    def _not_admitted(self, st: RequestState, end: int) -> list[BlockRef]:
+    def _not_admitted(self, st: RequestState, end: int) -> dict[BlockRef, int]:
         """Every group's blocks ending in hashes [admitted_hashes, end) of the request's
-        chain that no request admitted yet (those are admitted now)."""
+        chain that no request admitted yet (those are admitted now) -> the hashes each
+        ends at."""
         start, chain = st.admitted_hashes, st.hasher.block_hashes
         before = self.seen.raise_to(chain[start:end], ADMITTED)
         fresh = [start + int(k) for k in np.flatnonzero(before < ADMITTED)]
-        refs = []
+        refs = {}
         for group_id in range(self.model_groups.num_groups):
             m = self.builder.hashes_per_block(group_id)
-            refs += [BlockRef(group_id, chain[k]) for k in fresh if (k + 1) % m == 0]
+            refs.update({BlockRef(group_id, chain[k]): k + 1 for k in fresh if (k + 1) % m == 0})
         return refs

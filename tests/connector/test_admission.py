@@ -16,6 +16,7 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.groups import GroupKind, ModelGroups
 from hybridkv.tiers.admission import Admission
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey
+from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
@@ -164,6 +165,48 @@ def test_a_prefix_the_engine_cache_serves_is_stored_again_if_the_cpu_tier_evicte
     restarted = make_engine(model_groups, config)  # an empty cpu tier, the same disk
     hit = run(restarted, "c", with_suffix(seed=3))
     assert hit == (len(PREFIX) if not evicted or refreshable else 0)
+    close_engine(restarted)
+
+
+@pytest.mark.parametrize("kinds", KINDS[:2], ids=KIND_IDS[:2])
+def test_a_prefix_reaches_the_disk_last_block_first_so_its_tail_is_evicted_first(
+    tmp_path: Path, kinds: tuple[GroupKind, ...]
+) -> None:
+    """The disk evicts the segment written first. Admitted blocks go there the chain's
+    last position first, every group's blocks of a position together, so the oldest
+    segment holds the prefix's tail: once it is evicted, a shorter prefix still hits."""
+    model_groups = make_groups(kinds, block_size=BLOCK_SIZE)
+    tiers = [
+        {"kind": "cpu", "capacity_bytes": "8MiB", "pin_memory": False},
+        {  # 12 segments of 40 KiB: four slots each
+            "kind": "disk",
+            "path": str(tmp_path / "disk"),
+            "capacity_bytes": 12 * 40960,
+            "segment_bytes": 40960,
+        },
+    ]
+    config = make_config(tmp_path, tiers=tiers, admission="reused")
+    engine = full_disk_engine(model_groups, config)
+    assert run(engine, "a", with_suffix(seed=1)) == 0
+    assert run(engine, "b", with_suffix(seed=2)) == len(PREFIX)  # loaded: admitted
+    disk = engine.worker.store.tiers[1]
+    assert isinstance(disk, DiskTier)
+    keys = {
+        (i, g): block_keys(model_groups, PREFIX, g, [i])[0]
+        for i in range(16)
+        for g in range(len(kinds))
+    }
+    entries = {at: disk._table.entry(key_digest(k)) for at, k in keys.items()}
+    assert all(e is not None for e in entries.values()), "the prefix is not on disk"
+    seqs = {at: e.segment.seq for at, e in entries.items() if e is not None}
+    written = sorted(keys, key=lambda at: (-at[0], at[1]))  # last position first
+    assert [seqs[at] for at in written] == sorted(seqs.values())
+    oldest = [at for at in keys if seqs[at] == min(seqs.values())]
+    assert disk.delete_many([keys[at] for at in oldest]) == len(oldest)  # as eviction does
+    close_engine(engine)
+    restarted = make_engine(model_groups, config)  # an empty cpu tier, the same disk
+    hit = min(i for i, _ in oldest) * BLOCK_SIZE
+    assert hit > 0 and run(restarted, "c", with_suffix(seed=3)) == hit
     close_engine(restarted)
 
 
