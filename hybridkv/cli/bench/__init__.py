@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.cli.bench.models import MODELS, build_model, engine_kwargs_for
-from hybridkv.cli.bench.offline import EngineFailed
+from hybridkv.cli.bench.offline import EngineFailed, report_failure
 from hybridkv.cli.bench.progress import Bars
 from hybridkv.cli.bench.report import (
     Summary,
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         runs = [run_setup(setup, ctx) for setup in setups]
     except EngineFailed as exc:
-        print(f"[bench] FAILED: {exc}", file=sys.stderr, flush=True)
+        report_failure(exc, params.kv_cache_mib, engine_kwargs)
         return 1
     summaries = _summaries(runs, exact=model.dtype == "float32")
     print(format_table(summary_rows(summaries)), flush=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hybridkv.cli.bench import counters, say, work_dir_of
 from hybridkv.cli.bench.models import build_model, engine_kwargs_for
-from hybridkv.cli.bench.offline import EngineFailed, EngineLaunch, OfflineEngine
+from hybridkv.cli.bench.offline import EngineFailed, EngineLaunch, OfflineEngine, report_failure
 from hybridkv.cli.bench.progress import Bars
 from hybridkv.cli.bench.report import Phase, compare_outputs, mark_reusable, summarize, summary_rows
 from hybridkv.cli.bench.run import BenchContext, replay_across, run_setup
@@ -68,7 +68,7 @@ def run_hosts(args: argparse.Namespace, overrides: dict[str, str]) -> int:
             finally:
                 pool.stop()
     except EngineFailed as exc:
-        print(f"[bench] FAILED: {exc}", file=sys.stderr, flush=True)
+        report_failure(exc, params.kv_cache_mib, ctx.engine_kwargs)
         return 1
     exact = model.dtype == "float32"
     mark_reusable(alone.records, int(alone.facts.get("alignment_tokens") or 1))

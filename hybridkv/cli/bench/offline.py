@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -43,6 +44,29 @@ class EngineLaunch:
 
 class EngineFailed(RuntimeError):
     pass
+
+
+KV_CACHE_TOO_SMALL = "To serve at least one request with the model's max seq len"
+"""How vLLM refuses a KV cache smaller than one request of its model length."""
+
+
+def report_failure(exc: EngineFailed, kv_cache_mib: int, engine_kwargs: dict[str, Any]) -> None:
+    """Say why the bench stopped, and what to change where that is known."""
+    print(f"[bench] FAILED: {exc}", file=sys.stderr, flush=True)
+    advice = failure_advice(str(exc), kv_cache_mib, int(engine_kwargs["max_model_len"]))
+    if advice is not None:
+        print(f"[bench] {advice}", file=sys.stderr, flush=True)
+
+
+def failure_advice(message: str, kv_cache_mib: int, max_model_len: int) -> str | None:
+    """What to change in the bench's parameters when the engine failed thus, if known."""
+    if KV_CACHE_TOO_SMALL in message:
+        return (
+            f"the KV cache of {kv_cache_mib} MiB cannot hold one request of {max_model_len} "
+            "tokens (the workload's longest, rounded up): raise --param kv_cache_mib (vLLM's "
+            "advice, gpu_memory_utilization, does not apply: the bench sizes the cache itself)"
+        )
+    return None
 
 
 class OfflineEngine:

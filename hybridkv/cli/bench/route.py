@@ -32,7 +32,7 @@ from typing import Any
 
 from hybridkv.cli.bench import say, work_dir_of
 from hybridkv.cli.bench.models import build_model, engine_kwargs_for
-from hybridkv.cli.bench.offline import EngineFailed, EngineLaunch, OfflineEngine
+from hybridkv.cli.bench.offline import EngineFailed, EngineLaunch, OfflineEngine, report_failure
 from hybridkv.cli.bench.progress import Bars
 from hybridkv.cli.bench.replay import ClientRun, Record
 from hybridkv.cli.bench.report import compare_outputs, mark_reusable, percentile
@@ -94,7 +94,7 @@ def run_route(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         alone = _run_alone(workload, kwargs, work_dir, progress)
         runs = [_run_policy(p, workload, kwargs, work_dir, progress) for p in POLICIES]
     except EngineFailed as exc:
-        print(f"[bench] FAILED: {exc}", file=sys.stderr, flush=True)
+        report_failure(exc, params.kv_cache_mib, kwargs)
         return 1
     exact = model.dtype == "float32"
     for run in [alone, *runs]:

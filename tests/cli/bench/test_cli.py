@@ -1,10 +1,13 @@
-"""``hybridkv bench``'s own lines: the machine it ran on."""
+"""``hybridkv bench``'s own lines: the machine it ran on, advice on a failed engine."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hybridkv.cli.bench import describe_machine, machine
+from hybridkv.cli.bench.offline import failure_advice
 
 
 def test_the_machine_line_names_cpu_cores_memory_isa_and_vllm() -> None:
@@ -38,3 +41,15 @@ def test_machine_reads_this_machine() -> None:
     if thp.exists():
         assert f"[{info['huge_pages']}]" in thp.read_text()
     assert 0 < info["memory_gib"] < 1 << 20
+
+
+def test_a_kv_cache_too_small_for_the_model_length_says_which_param_to_raise() -> None:
+    from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
+
+    with pytest.raises(ValueError) as refused:  # vLLM's own check and words
+        _check_enough_kv_cache_memory(16 << 20, lambda: 18 << 20, 1024, lambda _: 896)
+    message = f"engine failed:\nTraceback ...\n{refused.value}"
+    advice = failure_advice(message, 16, 1024)
+    assert advice is not None
+    assert "--param kv_cache_mib" in advice and "16 MiB" in advice and "1024 tokens" in advice
+    assert failure_advice("engine failed:\nRuntimeError: out of files", 16, 1024) is None
