@@ -65,14 +65,11 @@ class AdmissionTracker:
         the prefix up to the last of them shared."""
         chain = st.hasher.block_hashes
         new = chain[st.num_noted :]
-        before = self.seen.raise_to(new, SEEN)
+        before = self.seen.sight(new, SEEN, RETURNED)  # a second sighting: RETURNED
         again = np.flatnonzero(before >= SEEN)
         if len(again):
             st.shared_hashes = max(st.shared_hashes, st.num_noted + int(again[-1]) + 1)
-        second = [new[k] for k in np.flatnonzero(before == SEEN)]
-        if second:
-            self.seen.raise_to(second, RETURNED)
-        self.returns.noted(len(new) - len(again), len(second))
+        self.returns.noted(len(new) - len(again), int(np.count_nonzero(before == SEEN)))
         st.num_noted = len(chain)
 
     @property

@@ -50,15 +50,22 @@ class SeenHashes:
     def raise_to(self, hashes: Sequence[BlockHash], level: int) -> Levels:
         """Each hash's level before the call (``NOT_SEEN`` if not remembered); then each
         is remembered at ``level`` or above."""
-        if not NOT_SEEN < level <= np.iinfo(np.uint8).max:
-            raise ValueError(f"level={level}: must be 1..255")
+        return self.sight(hashes, level, level)
+
+    def sight(self, hashes: Sequence[BlockHash], first: int, again: int) -> Levels:
+        """Each hash's level before the call (``NOT_SEEN`` if not remembered); then one
+        remembered at ``first`` is at ``again``, and each is at ``first`` or above."""
+        top = np.iinfo(np.uint8).max
+        if not NOT_SEEN < first <= again <= top:
+            raise ValueError(f"levels {first}, {again}: must be 1 <= first <= again <= {top}")
         words = digest_words(b"".join(h[:16] for h in hashes))  # every algorithm gives >= 16
         rows = self._table.find(words)
         known = rows != NONE
         before = np.zeros(len(hashes), np.uint8)
         before[known] = self._levels[rows[known]]
-        self._levels[rows[known]] = np.maximum(before[known], level)
-        self._add(words[~known], level)
+        was = before[known]
+        self._levels[rows[known]] = np.where(was == first, again, np.maximum(was, first))
+        self._add(words[~known], first)
         return before
 
     def _add(self, words: npt.NDArray[np.int64], level: int) -> None:

@@ -24,27 +24,33 @@ class Reference:
         self.capacity = capacity
         self.levels: OrderedDict[BlockHash, int] = OrderedDict()
 
-    def raise_to(self, hashes: list[BlockHash], level: int) -> list[int]:
+    def sight(self, hashes: list[BlockHash], first: int, again: int) -> list[int]:
+        """Levels before the batch; then one at ``first`` goes to ``again``, each at
+        least to ``first`` (a repeat within the batch is one sighting)."""
         before = [self.levels.get(h, NOT_SEEN) for h in hashes]
-        for h in hashes:
-            self.levels[h] = max(self.levels.get(h, NOT_SEEN), level)  # a new one goes last
+        for h, was in dict(zip(hashes, before, strict=True)).items():
+            self.levels[h] = again if was == first else max(was, first)  # a new one goes last
         while len(self.levels) > self.capacity:
             self.levels.popitem(last=False)
         return before
 
 
 batches = st.lists(
-    st.tuples(st.lists(st.integers(0, 40), max_size=12), st.integers(1, 3)), max_size=30
+    st.tuples(st.lists(st.integers(0, 40), max_size=12), st.integers(1, 3), st.integers(0, 2)),
+    max_size=30,
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(1, 16), calls=batches)
-def test_matches_the_reference(capacity: int, calls: list[tuple[list[int], int]]) -> None:
+def test_matches_the_reference(capacity: int, calls: list[tuple[list[int], int, int]]) -> None:
+    """``raise_to`` (a level, nothing promoted) and ``sight`` (the first level, promoted
+    to a higher one when seen again), interleaved."""
     seen, reference = SeenHashes(capacity), Reference(capacity)
-    for numbers, level in calls:
+    for numbers, first, up in calls:
         hashes = [block_hash(n) for n in numbers]
-        assert seen.raise_to(hashes, level).tolist() == reference.raise_to(hashes, level)
+        got = seen.sight(hashes, first, first + up) if up else seen.raise_to(hashes, first)
+        assert got.tolist() == reference.sight(hashes, first, first + up)
         assert len(seen) == len(reference.levels)
         seen.check_integrity()
 
@@ -91,5 +97,7 @@ def test_a_batch_larger_than_the_capacity_keeps_its_last_hashes() -> None:
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="capacity=0"):
         SeenHashes(0)
-    with pytest.raises(ValueError, match="level=0"):
+    with pytest.raises(ValueError, match="levels 0, 0"):
         SeenHashes(4).raise_to([block_hash(0)], 0)
+    with pytest.raises(ValueError, match="levels 2, 1"):
+        SeenHashes(4).sight([block_hash(0)], 2, 1)
