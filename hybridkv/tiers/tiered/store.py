@@ -142,7 +142,8 @@ class TieredStore(Admitting, Tier):
         return found
 
     def first_holds(self, keys: Sequence[StoreKey]) -> list[bool]:
-        """Whether ``tiers[0]`` holds each key (not counted as a lookup)."""
+        """Whether ``tiers[0]`` holds each key (the store counts no lookup; the tier
+        counts its own queries)."""
         return self._contains_in(0, keys)
 
     def _contains_in(self, index: int, keys: Sequence[StoreKey]) -> list[bool]:
