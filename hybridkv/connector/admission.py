@@ -93,8 +93,7 @@ class AdmissionTracker:
         tiers evict what they took first, so the prefix loses its tail first."""
         self.note(st)  # the tokens this step hashed
         reached_tokens = min(req.num_computed_tokens + req.num_scheduled_tokens, len(req.token_ids))
-        refs: dict[BlockRef, int] = {}
-        """-> the hashes the block ends at."""
+        refs: dict[BlockRef, int] = {}  # -> the hashes the block ends at
         for t in () if plan is None else plan.transfers:
             m = self.builder.hashes_per_block(t.group_id)
             for index, block_hash in zip(t.block_indices, t.block_hashes, strict=True):

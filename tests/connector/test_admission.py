@@ -151,9 +151,9 @@ def test_a_prefix_the_engine_cache_serves_is_stored_again_if_the_cpu_tier_evicte
     assert run_request(engine, "b", with_suffix(seed=2), CHUNK, cached=len(PREFIX)) == 0
     refreshable = MAMBA not in kinds
     # The engine keeps a sliding window's last blocks only: the rest stays evicted.
-    kept = [k for g in range(len(kinds)) for k in full_keys(model_groups, PREFIX, range(16))]
-    if kinds == (SW, FULL):
-        kept = block_keys(model_groups, PREFIX, 0, range(14, 16)) + kept[16:]
+    kept = full_keys(model_groups, PREFIX, range(16))
+    if SW in kinds:
+        kept += block_keys(model_groups, PREFIX, kinds.index(SW), range(14, 16))
     expect = {k: not evicted or (refreshable and k in kept) for k in prefix_keys}
     assert dict(zip(prefix_keys, on_disk(config, prefix_keys), strict=True)) == expect
     refreshed = sum(c.refreshed_blocks for c in engine.worker.stats.groups)
