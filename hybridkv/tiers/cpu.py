@@ -71,7 +71,8 @@ class CpuConfig(TierConfigBase):
                 "an object read since it was stored (a hit) is passed over once when it is "
                 "the next to evict: it becomes the most recent, its mark cleared, so objects "
                 "never read go first and a prefix every request reads outlives one-off "
-                "prompts; false: plain recency"
+                "prompts; while more than three quarters of the objects are marked, the "
+                "least recent goes, read or not; false: plain recency"
             )
         ),
     ] = False

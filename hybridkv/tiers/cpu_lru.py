@@ -37,6 +37,11 @@ the object was read since it was added or last came round (``second_chance``).""
 _OFFSET, _SIZE = 0, 1
 _BORROWS, _OLDER, _NEWER, _READ = 0, 1, 2, 3
 _HEAD, _TAIL = 0, 1
+PROTECTED = 0.75
+"""``second_chance`` passes a read row over only while at most this share of the rows
+is marked read. Where nearly all were read (each document of long-doc-qa is asked
+several times), passing them all would leave the unread ones, the newest among them,
+the only ones to go: a segmented LRU's cap on its protected part."""
 _ADD, _TOUCH_ADDED = -2, -3
 """Deferred changes (``LruObjects.settle``) other than touching a row: add an object,
 touch one added earlier in the same batch."""
@@ -144,18 +149,19 @@ def _unlink_all(narrow: Narrow, ends: Rows, wide: Wide, rows: Rows) -> None:  # 
 
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
 def _oldest_unborrowed(
-    narrow: Narrow, ends: Rows, second_chance: bool
+    narrow: Narrow, ends: Rows, marked: Rows, max_marked: int
 ) -> int:  # pragma: no cover - native
-    """The least recent row nobody borrows. With ``second_chance``, a row read since it
-    last came round is passed over once: it becomes the most recent, its mark cleared
-    (so the walk ends within two rounds)."""
+    """The least recent row nobody borrows. While at most ``max_marked`` rows are marked
+    read (``marked[0]``, which the walk keeps), a marked row is passed over once: it
+    becomes the most recent, its mark cleared (so the walk ends within two rounds)."""
     row = int(ends[_HEAD])
     while row >= 0:
         newer = int(narrow[row, _NEWER])
         if narrow[row, _BORROWS] == 0:
-            if not (second_chance and narrow[row, _READ]):
+            if not (narrow[row, _READ] and marked[0] <= max_marked):
                 return row
             narrow[row, _READ] = 0
+            marked[0] -= 1
             if newer < 0:  # the newest already: nothing else to pass it for
                 return row
             _unlink(narrow, ends, row)
@@ -181,7 +187,7 @@ class LruObjects:
     """Stored objects by key digest: arena offset, size and borrows of each, and their
     order of use (least recent first). With ``second_chance`` an object read since it
     was added (or last came round) is passed over once when it is the least recent:
-    objects never read go first."""
+    objects never read go first (while at most ``PROTECTED`` of them were read)."""
 
     def __init__(self, *, second_chance: bool = False) -> None:
         self.second_chance = second_chance
@@ -195,6 +201,8 @@ class LruObjects:
         """Changes deferred to ``settle``, in order: (row to touch, or ``_ADD`` /
         ``_TOUCH_ADDED``; digest, offset, size)."""
         self._added_later: set[bytes] = set()
+        self._marked: Rows = np.zeros(1, np.int64)
+        """Rows marked read (``mark_read``), in element 0 (the native walk clears marks)."""
 
     def __len__(self) -> int:
         return len(self._table)
@@ -249,6 +257,8 @@ class LruObjects:
 
     def mark_read(self, rows: Rows) -> None:
         """These objects were read (a hit): ``second_chance`` passes them over once."""
+        rows = np.unique(rows)
+        self._marked[0] += len(rows) - np.count_nonzero(self._narrow[rows, _READ])
         self._narrow[rows, _READ] = 1
 
     def was_read(self, row: int) -> bool:
@@ -286,6 +296,7 @@ class LruObjects:
     def remove(self, rows: Rows) -> None:
         """Forget these rows (each in use, each once)."""
         assert np.all(self.sizes[rows] >= 0), "a row not in use"
+        self._marked[0] -= np.count_nonzero(self._narrow[rows, _READ])
         _unlink_all(self._narrow, self._ends, self._wide, rows)
         self._table.release(rows)
 
@@ -293,7 +304,8 @@ class LruObjects:
         """The least recently used row nobody borrows (see ``second_chance``, which may
         reorder rows read since they last came round); NONE if none."""
         passes = self.second_chance and not self.plain_lru
-        return int(_oldest_unborrowed(self._narrow, self._ends, passes))
+        max_marked = int(PROTECTED * len(self)) if passes else -1
+        return int(_oldest_unborrowed(self._narrow, self._ends, self._marked, max_marked))
 
     def order(self) -> Rows:
         """Rows in use, least recently used first."""
@@ -320,6 +332,8 @@ class LruObjects:
             assert older[order[0]] == NONE and newer[order[-1]] == NONE
             assert np.array_equal(older[order[1:]], order[:-1]), "links disagree"
         assert np.all(self.borrows[in_use] >= 0)
+        marked = np.count_nonzero(self._narrow[in_use, _READ])
+        assert marked == self._marked[0], f"{self._marked[0]} rows counted read, {marked} marked"
 
 
 def warm_up() -> None:

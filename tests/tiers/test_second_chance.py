@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hybridkv.tiers.base import GetStatus, StoreKey
 from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
-from hybridkv.tiers.cpu_lru import LruObjects
+from hybridkv.tiers.cpu_lru import PROTECTED, LruObjects
 from hybridkv.tiers.digest_table import NONE, digest_words
 
 NUM_KEYS = 16
@@ -23,14 +23,16 @@ def digest(i: int) -> bytes:
 
 def model_victim(order: list[int], read: set[int], borrowed: set[int]) -> int | None:
     """The walk, on a plain list: skip borrowed; return an unread one; pass a read one
-    over once (to the end, mark cleared), unless it is the last."""
+    over once (to the end, mark cleared), unless it is the last or more than
+    ``PROTECTED`` of all are read."""
     i = 0
+    most_read = int(PROTECTED * len(order))
     while i < len(order):
         k = order[i]
         if k in borrowed:
             i += 1
             continue
-        if k not in read:
+        if k not in read or len(read) > most_read:
             return k
         read.discard(k)
         if i == len(order) - 1:
@@ -141,4 +143,22 @@ def test_plain_lru_suspends_second_chance_until_it_ends() -> None:
     t.use_plain_lru(False)
     put(t, ["once/7"])  # shared/1, read, is passed over; once/0 goes
     assert t.contains_many([StoreKey("shared/1"), StoreKey("once/0")]) == [True, False]
+    t.check_integrity()
+
+
+def test_protection_is_capped_when_most_objects_were_read() -> None:
+    """Where nearly every object was read (each document of long-doc-qa is asked again),
+    passing them all over would leave the never-read ones, the newest included, the only
+    ones to go. Beyond ``PROTECTED`` of the objects read, the least recent goes, read or
+    not; once back under it, read objects are passed over again."""
+    names = [f"doc/{i}" for i in range(8)]
+    t = tier(True)
+    put(t, names)  # full
+    assert read(t, names[:7]) == [GetStatus.OK] * 7  # 7 of 8 read: over 0.75
+    t.touch_many([StoreKey("doc/7")])  # the one never read is the most recent
+    assert int(PROTECTED * 8) < 7
+    put(t, ["new/0"])
+    assert t.contains_many([StoreKey(n) for n in names]) == [False] + [True] * 7
+    put(t, ["new/1"])  # 6 of 8 read now: each is passed over, and doc/7 goes
+    assert t.contains_many([StoreKey(n) for n in names[1:]]) == [True] * 6 + [False]
     t.check_integrity()
