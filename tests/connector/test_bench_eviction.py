@@ -27,6 +27,7 @@ def test_the_eviction_benchmark_compares_every_policy_on_each_workload(tmp_path:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert list(report["workloads"]) == ["mixed", "long-doc-qa"]
+    assert report["repeats"] == 1, "--quick replays each case once"
     for part in report["workloads"].values():
         assert len(part["shapes"]) == 4, "two shapes, two sizes of cpu tier"
         for rows in part["shapes"].values():
@@ -38,6 +39,7 @@ def test_the_eviction_benchmark_compares_every_policy_on_each_workload(tmp_path:
             assert rows["lru"]["over_lru"] == 1.0
             for row in rows.values():
                 assert len(row["hits"]) == part["requests"]
+                assert row["totals"] == [row["total"]["hit"]], "one run, reported as is"
                 assert row["total"]["hit"] <= row["total"]["reusable"]
                 assert (row["kv_blocks_checked"] > 0) == (row["total"]["hit"] > 0)
             assert rows["lru"]["total"]["hit"] > 0, "the tiers kept nothing: the case tests nothing"
