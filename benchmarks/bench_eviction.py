@@ -180,8 +180,8 @@ def quiet(engine: SimEngine) -> None:
 def replay(engine: SimEngine, asks: Sequence[Ask]) -> tuple[list[int], int]:
     """Each request from lookup to its last token; its hit and the KV blocks checked.
     Every step waits for the jobs and write-backs it started (``quiet``), so a run
-    does not turn on how the stores' threads interleave with later steps: the same
-    workload gives the same hits every run."""
+    does not turn on how the stores' threads interleave with later steps (what is
+    left to chance is the disk tier's own writing: ``median_run``)."""
     hits, checked = [], 0
     for i, ask in enumerate(asks):
         req_id = f"r{i}"
