@@ -31,6 +31,8 @@ class Target:
 
     def row(self) -> list[str]:
         sign = "<=" if self.at_most else ">="
+        if math.isnan(self.value):  # 0 / 0: neither side had any, so nothing was shown
+            return [self.name, "-", f"{sign} {self.limit:.3f}", "MISSED (0 / 0)"]
         return [self.name, f"{self.value:.3f}", f"{sign} {self.limit:.3f}", _verdict(self.met)]
 
 
@@ -43,7 +45,11 @@ def _find(summaries: Sequence[Summary], setup: str, phase: str) -> Summary | Non
 
 
 def _ratio(a: float, b: float) -> float:
-    return a / b if b else math.nan
+    """``a / b``; infinite where only ``b`` is 0 (e.g. hits where the baseline had none),
+    nan where both are."""
+    if b:
+        return a / b
+    return math.inf if a > 0 else math.nan
 
 
 def targets(kind: WorkloadKind, summaries: Sequence[Summary]) -> list[Target]:

@@ -89,3 +89,20 @@ def test_eviction_targets_pair_each_policy_with_its_lru_per_phase() -> None:
     assert (chain.value, chain.met) == (1.3, True)
     assert (reuse.value, reuse.met) == (1.25, False)
     assert len(found) == 2, "a phase without its lru run has no target"
+
+
+def test_a_baseline_without_hits_is_beaten_by_any_and_says_so_when_neither_hit() -> None:
+    """Hits where LRU had none meet any ratio; neither hitting shows nothing, and is not
+    met (the run did not show what the target asks)."""
+    reuse = "cpu+disk-reuse (run): cached tokens, reuse / cpu+disk-lru's"
+    beaten = by_name(eviction_targets([
+        summary("cpu+disk-reuse", "run", 1, cached_tokens=300),
+        summary("cpu+disk-lru", "run", 1, cached_tokens=0),
+    ]))[reuse]  # fmt: skip
+    assert beaten.value == float("inf") and beaten.met and beaten.row()[-1] == "met"
+    neither = by_name(eviction_targets([
+        summary("cpu+disk-reuse", "run", 1, cached_tokens=0),
+        summary("cpu+disk-lru", "run", 1, cached_tokens=0),
+    ]))[reuse]  # fmt: skip
+    assert not neither.met
+    assert neither.row()[1:] == ["-", ">= 1.300", "MISSED (0 / 0)"]
