@@ -65,6 +65,8 @@ from tests.support.connector import (  # noqa: E402
     make_config,
     make_engine,
     prompt,
+    run_to_end,
+    wait_loaded,
 )
 from tests.support.sim import SimEngine, attention_page_bytes, make_groups  # noqa: E402
 
@@ -186,22 +188,14 @@ def replay(engine: SimEngine, asks: Sequence[Ask]) -> tuple[list[int], int]:
     for i, ask in enumerate(asks):
         req_id = f"r{i}"
         hit = engine.add(req_id, list(ask.tokens))
-        req = engine.requests[req_id]
         if hit:
-            for _ in range(100):
-                if not req.waiting_load:
-                    break
-                engine.step({})
-                quiet(engine)
-            assert not req.waiting_load, f"the load of {req_id} never finished"
+            req = wait_loaded(engine, req_id, after_step=quiet)
             # A failed load (its blocks evicted since the lookup) is looked up again: a
             # shorter hit, or none and the prompt recomputed.
             hit = req.num_computed if req.outcomes[-1].ok else 0
             if hit:
                 checked += assert_kv_matches_cold(engine, req, hit)
-        while req.num_computed < len(req.tokens):
-            engine.step({req_id: CHUNK})
-            quiet(engine)
+        run_to_end(engine, req_id, CHUNK, after_step=quiet)
         engine.finish(req_id)
         quiet(engine)
         hits.append(hit)
@@ -214,31 +208,23 @@ def run_policy(
     policy: dict[str, Any],
     asks: Sequence[Ask],
 ) -> dict[str, Any]:
+    """One replay of ``asks`` on fresh tiers in a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-eviction-") as tmp:
-        return run_in(shape, cpu_blocks, policy, asks, Path(tmp))
-
-
-def run_in(
-    shape: tuple[GroupKind, ...],
-    cpu_blocks: int,
-    policy: dict[str, Any],
-    asks: Sequence[Ask],
-    work: Path,
-) -> dict[str, Any]:
-    model_groups = make_groups(shape, block_size=BLOCK_SIZE)
-    tier_list = tiers(work, model_groups, cpu_blocks, policy["second_chance"])
-    config = make_config(
-        work,
-        tiers=tier_list,
-        eviction_order=policy["eviction_order"],
-        admission=policy["admission"],
-    )
-    engine = make_engine(model_groups, config)
-    start = time.perf_counter()
-    try:
-        hits, checked = replay(engine, asks)
-    finally:
-        close_engine(engine)
+        work = Path(tmp)
+        model_groups = make_groups(shape, block_size=BLOCK_SIZE)
+        tier_list = tiers(work, model_groups, cpu_blocks, policy["second_chance"])
+        config = make_config(
+            work,
+            tiers=tier_list,
+            eviction_order=policy["eviction_order"],
+            admission=policy["admission"],
+        )
+        engine = make_engine(model_groups, config)
+        start = time.perf_counter()
+        try:
+            hits, checked = replay(engine, asks)
+        finally:
+            close_engine(engine)
     return {"hits": hits, "kv_blocks_checked": checked, "seconds": time.perf_counter() - start}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,24 +207,48 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
 
 
-def run_to_end(engine: SimEngine, req_id: str, chunk: int, timeout_s: float = 10.0) -> None:
+AfterStep = Callable[[SimEngine], None]
+"""Run after each step of ``run_to_end`` and ``wait_loaded`` (say, to wait for the step's
+transfers); without one, a step that leaves a load waiting is followed by a short sleep."""
+
+
+def run_to_end(
+    engine: SimEngine,
+    req_id: str,
+    chunk: int,
+    timeout_s: float = 10.0,
+    *,
+    after_step: AfterStep | None = None,
+) -> None:
     req = engine.requests[req_id]
     deadline = time.monotonic() + timeout_s
     while req.num_computed < len(req.tokens) or req.waiting_load:
         assert time.monotonic() < deadline, f"{req_id} did not finish"
         engine.step({} if req.waiting_load else {req_id: chunk})
-        if req.waiting_load:
-            time.sleep(0.002)
+        _after_step(engine, req, after_step)
 
 
-def wait_loaded(engine: SimEngine, req_id: str, timeout_s: float = 10.0) -> SimRequest:
+def wait_loaded(
+    engine: SimEngine,
+    req_id: str,
+    timeout_s: float = 10.0,
+    *,
+    after_step: AfterStep | None = None,
+) -> SimRequest:
     req = engine.requests[req_id]
     deadline = time.monotonic() + timeout_s
     while req.waiting_load:
         assert time.monotonic() < deadline, f"load of {req_id} never finished"
         engine.step({})
-        time.sleep(0.002)
+        _after_step(engine, req, after_step)
     return req
+
+
+def _after_step(engine: SimEngine, req: SimRequest, after_step: AfterStep | None) -> None:
+    if after_step is not None:
+        after_step(engine)
+    elif req.waiting_load:
+        time.sleep(0.002)
 
 
 def assert_kv_matches_cold(engine: SimEngine, req: SimRequest, num_tokens: int) -> int:
