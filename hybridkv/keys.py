@@ -262,6 +262,9 @@ class KeyBuilder:
         self.namespace = namespace
         prefix = namespace.prefix
         self._group_prefixes = [f"{prefix}|g{g}|" for g in range(model_groups.num_groups)]
+        model = sanitize_model_id(namespace.model_id)
+        self._sighting_prefix = f"{model}|{namespace.groups_fingerprint}|seen|"
+        """Marks of hashes seen (``connector.sightings``): the same for every rank."""
         self._hashes_per_block = [
             g.block_size // model_groups.hash_block_size for g in model_groups.groups
         ]
@@ -297,6 +300,11 @@ class KeyBuilder:
     def keys_of(self, group_id: int, block_hashes: Iterable[BlockHash]) -> list[StoreKey]:
         prefix = self._group_prefixes[group_id]
         return [StoreKey(prefix + h.hex()) for h in block_hashes]
+
+    def sighting_keys(self, block_hashes: Iterable[BlockHash]) -> list[StoreKey]:
+        """The keys that mark these hashes seen in a shared pool (any rank's builder
+        gives the same; ``parse`` answers None for them)."""
+        return [StoreKey(self._sighting_prefix + h.hex()) for h in block_hashes]
 
     def parse(self, key: StoreKey) -> tuple[int, BlockHash] | None:
         """The group and block hash ``key`` names; None for a key of another namespace

@@ -4,11 +4,13 @@ Scheduler process. Each request's chain of block hashes is noted once, as it
 is looked up and as its steps extend it; a hash another request noted first
 (``SeenHashes``: bounded, oldest forgotten first) means the prefix it ends was
 reached twice: a prefix several requests share, or one that came back. So is
-a prefix a request loads. Blocks within a request's shared prefix are
-admitted: those its own steps store, and those other requests stored before,
-once this request's steps reach them (the engine's own cache may have served
-them). Decisions go by the prefix, never by block: every group's blocks up to
-a boundary are admitted together, as a hit needs all of them.
+a prefix a request loads, and one another engine sharing the pool reached
+(``connector.sightings``, where the pool can mark hashes). Blocks within a
+request's shared prefix are admitted: those its own steps store, and those
+other requests stored before, once this request's steps reach them (the
+engine's own cache may have served them). Decisions go by the prefix, never
+by block: every group's blocks up to a boundary are admitted together, as a
+hit needs all of them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import numpy as np
 from hybridkv.connector.metadata import BlockRef, StorePlan
 from hybridkv.connector.requests import RequestState
 from hybridkv.connector.returns import ReturnShare
-from hybridkv.connector.seen import SeenHashes
+from hybridkv.connector.seen import NOT_SEEN, SeenHashes
+from hybridkv.connector.sightings import PoolSightings
 from hybridkv.connector.steps import ScheduledRequest
 from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder
@@ -37,11 +40,20 @@ ADMITTED = 3
 class AdmissionTracker:
     """Notes requests' chains and names the blocks each step admits."""
 
-    def __init__(self, model_groups: ModelGroups, builder: KeyBuilder, *, capacity: int) -> None:
+    def __init__(
+        self,
+        model_groups: ModelGroups,
+        builder: KeyBuilder,
+        *,
+        capacity: int,
+        sightings: PoolSightings | None = None,
+    ) -> None:
         self.model_groups = model_groups
         self.builder = builder
         """Any rank's builder: block hashes are the same for every rank."""
         self.seen = SeenHashes(capacity)
+        self.sightings = sightings
+        """Where hashes this engine sees for the first time are marked for other engines."""
         self.returns = ReturnShare(model_groups.hash_block_size)
         """Whether first sightings come back: if most do, the tiers go plain LRU."""
 
@@ -53,23 +65,32 @@ class AdmissionTracker:
         builder: KeyBuilder,
         num_tiers: int,
         capacity: int,
+        sightings: PoolSightings | None = None,
     ) -> AdmissionTracker | None:
         """A tracker for ``Admission.REUSED`` over several tiers; None where every stored
         block reaches every tier (``Admission.ALL``, or one tier)."""
         if admission is not Admission.REUSED or num_tiers <= 1:
             return None
-        return cls(model_groups, builder, capacity=capacity)
+        return cls(model_groups, builder, capacity=capacity, sightings=sightings)
 
     def note(self, st: RequestState) -> None:
-        """The request's hashes not noted yet; those another request noted first make
-        the prefix up to the last of them shared."""
+        """The request's hashes not noted yet; those another request noted first (here,
+        or in another engine sharing the pool) make the prefix up to the last of them
+        shared."""
         chain = st.hasher.block_hashes
         new = chain[st.num_noted :]
         before = self.seen.sight(new, SEEN, RETURNED)  # a second sighting: RETURNED
+        returned = before == SEEN
+        if self.sightings is not None:
+            first = np.flatnonzero(before == NOT_SEEN)
+            if len(first):
+                elsewhere = first[self.sightings.sight([new[k] for k in first])]
+                returned[elsewhere] = True
+                before[elsewhere] = SEEN
         again = np.flatnonzero(before >= SEEN)
         if len(again):
             st.shared_hashes = max(st.shared_hashes, st.num_noted + int(again[-1]) + 1)
-        self.returns.noted(len(new) - len(again), int(np.count_nonzero(before == SEEN)))
+        self.returns.noted(len(new) - len(again), int(np.count_nonzero(returned)))
         st.num_noted = len(chain)
 
     @property

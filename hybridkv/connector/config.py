@@ -16,6 +16,7 @@ from pydantic.dataclasses import dataclass
 
 from hybridkv.connector.admission import DEFAULT_SEEN_HASHES
 from hybridkv.connector.recency import EvictionOrder
+from hybridkv.connector.sightings import DEFAULT_SIGHTING_TTL_S
 from hybridkv.keys import HashAlgo
 from hybridkv.paths import CACHE_DIR_ENV, default_cache_dir
 from hybridkv.schema import CONFIG, ByteSize, Number, UserPath, parse
@@ -106,6 +107,18 @@ class ConnectorConfig:
             ),
         ),
     ] = DEFAULT_SEEN_HASHES
+    admission_sighting_ttl_s: Annotated[
+        StrictInt,
+        Field(
+            ge=0,
+            description=(
+                "with admission reused and a tier that can mark keys (valkey): each block "
+                "hash the scheduler sees for the first time is marked in that pool for this "
+                "many seconds, and a mark another engine left counts as a second sighting, "
+                "so engines sharing the pool judge reuse together; 0: each engine alone"
+            ),
+        ),
+    ] = DEFAULT_SIGHTING_TTL_S
     load_timeout_s: Annotated[
         Number,
         Field(gt=0, allow_inf_nan=False, description="a load still running after this recomputes"),

@@ -36,6 +36,7 @@ from hybridkv.connector.metadata import (
 )
 from hybridkv.connector.requests import GroupBlockTable, RequestState
 from hybridkv.connector.search import HitSearch
+from hybridkv.connector.sightings import DEFAULT_SIGHTING_TTL_S, MarksSightings, PoolSightings
 from hybridkv.connector.sources import hit_sources
 from hybridkv.connector.stats import SchedulerStats
 from hybridkv.connector.steps import LookupResult, ScheduledRequest, StepInput
@@ -72,6 +73,8 @@ class ConnectorScheduler:
         eagle_group_ids: frozenset[int] | None = None,
         admission: Admission = Admission.ALL,
         admission_seen_hashes: int = DEFAULT_SEEN_HASHES,
+        sighting_tier: MarksSightings | None = None,
+        sighting_ttl_s: int = DEFAULT_SIGHTING_TTL_S,
     ) -> None:
         if lookup.num_ranks != tp_size:
             raise ValueError(f"the lookup answers for {lookup.num_ranks} ranks, not {tp_size}")
@@ -97,8 +100,14 @@ class ConnectorScheduler:
         self._cancelled: set[str] = set()
         drafting = drafting_groups(model_groups.groups, use_eagle, eagle_group_ids)
         self.stores = StorePlanner(model_groups, self.builders[0], tp_size, drafting)
+        sightings = PoolSightings.over(sighting_tier, self.builders[0], sighting_ttl_s, self.stats)
         self.admission = AdmissionTracker.if_needed(
-            admission, model_groups, self.builders[0], lookup.num_tiers, admission_seen_hashes
+            admission,
+            model_groups,
+            self.builders[0],
+            lookup.num_tiers,
+            admission_seen_hashes,
+            sightings,
         )
         """None: every stored block reaches every tier (or there is one tier)."""
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridkv.connector.card import publish_card
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.lookup import KeyLookup, LookupView, TierSlice
 from hybridkv.connector.scheduler import ConnectorScheduler
+from hybridkv.connector.sightings import MarksSightings
 from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.groups import ModelGroups
 from hybridkv.groups.kinds import GroupKind, rules_for
@@ -151,6 +153,7 @@ def build_scheduler(
     None: lookups from the tiers this process can open and the workers' reports.
     """
     lookup, opened = build_lookup(config, facts, worker_store=worker_store)
+    rank_tiers = lookup.tier_views[0] if worker_store is None else worker_store.tiers
     scheduler = ConnectorScheduler(
         facts.model_groups,
         lookup,
@@ -162,9 +165,19 @@ def build_scheduler(
         eagle_group_ids=facts.eagle_group_ids or None,
         admission=config.admission,
         admission_seen_hashes=config.admission_seen_hashes,
+        sighting_tier=sighting_tier(config, rank_tiers),
+        sighting_ttl_s=config.admission_sighting_ttl_s,
     )
     publish_card(config, facts, scheduler.alignment_tokens)
     return scheduler, opened
+
+
+def sighting_tier(config: ConnectorConfig, tiers: Sequence[object]) -> MarksSightings | None:
+    """The first of one rank's tiers that can mark hashes seen for other engines
+    (``connector.sightings``); None with ``admission_sighting_ttl_s`` 0."""
+    if config.admission_sighting_ttl_s == 0:
+        return None
+    return next((tier for tier in tiers if isinstance(tier, MarksSightings)), None)
 
 
 def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -> ConnectorWorker:

@@ -27,6 +27,13 @@ class SchedulerStats:
     loads_unplanned: int = counter(
         "Loads the engine asked for but the connector could not plan (recomputed)"
     )
+    pool_sightings: int = counter(
+        "Block hashes first seen by this engine and marked in the shared pool (admission reused)"
+    )
+    pool_sightings_before: int = counter(
+        "Of those, hashes the pool held a mark of already (another engine, or a run "
+        "before, reached them): admitted as reached twice"
+    )
 
 
 @dataclass(kw_only=True)

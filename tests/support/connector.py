@@ -16,7 +16,13 @@ from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.lookup import KeyLookup
 from hybridkv.connector.metadata import BlockRef
 from hybridkv.connector.scheduler import ConnectorScheduler
-from hybridkv.connector.setup import EngineFacts, build_lookup, build_store, lookup_for_store
+from hybridkv.connector.setup import (
+    EngineFacts,
+    build_lookup,
+    build_store,
+    lookup_for_store,
+    sighting_tier,
+)
 from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.groups import GroupKind, ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace, RequestBlockHasher
@@ -67,6 +73,8 @@ def make_engine(
         selection=config.selection,
         admission=config.admission,
         admission_seen_hashes=config.admission_seen_hashes,
+        sighting_tier=sighting_tier(config, store.tiers),
+        sighting_ttl_s=config.admission_sighting_ttl_s,
     )
     return SimEngine(model_groups, scheduler, worker, **engine_kwargs)
 

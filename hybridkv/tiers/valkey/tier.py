@@ -1,12 +1,13 @@
 """The Valkey tier: the shared pool for shops that already run Valkey or Redis.
 
 Runs in the worker process (bytes) and in the scheduler process
-(``contains_many``). One object per key: the codec header followed by the
-payload. Every call is one pipelined round trip (``SET NX``/``GET``/
-``EXISTS``/``DEL``). The ``redis`` client connects (TLS, AUTH, SELECT, pool);
-stores send the caller's buffer straight to the socket (header and payload
-as separate pieces, no joined copy); replies are read off the socket as they
-arrive (``ReplyReader``), each value into a reusable staging buffer, checked
+(``contains_many``, and ``sight_many``'s marks of hashes seen). One object
+per key: the codec header followed by the payload. Every call is one
+pipelined round trip (``SET NX``/``GET``/``EXISTS``/``DEL``). The
+``redis`` client connects (TLS, AUTH, SELECT, pool); stores send the
+caller's buffer straight to the socket (header and payload as separate
+pieces, no joined copy); replies are read off the socket as they arrive
+(``ReplyReader``), each value into a reusable staging buffer, checked
 against its header and checksum, then copied out: no bytes object per value.
 
 With ``cluster``, keys are spread over the shards of a Valkey Cluster by
@@ -168,6 +169,17 @@ class ValkeyTier(Tier):
         elif keys:
             self._exchange("delete", [("DEL", *keys)], read, keys_per_command=0)
         return removed[0]
+
+    def sight_many(self, keys: Sequence[StoreKey], ttl_s: int) -> list[bool]:
+        """``SET NX EX`` a one-byte mark at each key (``connector.sightings``); True
+        where the key existed. Errors answer False: a first sighting."""
+        before = [False] * len(keys)
+
+        def read(i: int, replies: ReplyReader) -> None:
+            before[i] = self._checked(replies.read()) is None  # NX: nil where it existed
+
+        self._exchange("sight", [("SET", key, b"1", "NX", "EX", ttl_s) for key in keys], read)
+        return before
 
     def usage(self) -> TierUsage:
         if not self._closed and self._gate.allow():

@@ -1,0 +1,67 @@
+"""Sightings of block hashes kept in a shared pool, so that engines sharing it judge
+reuse together.
+
+Scheduler process. ``Admission.REUSED`` admits a prefix to a full pool once it was
+reached twice; each engine remembers what it saw (``connector.seen``), so a
+prefix two engines each computed once would reach the pool from neither. With a
+tier that can mark keys (``MarksSightings``: Valkey, ``SET NX EX``), each hash an
+engine sees for the first time is marked in the pool, and a mark another engine
+(or this one before a restart) left makes it a second sighting. A mark expires
+after ``ttl_s``; the server may evict it sooner, like any key. A pool that does
+not answer makes every hash a first sighting: admission then judges alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from hybridkv.connector.stats import SchedulerStats
+from hybridkv.keys import BlockHash, KeyBuilder
+from hybridkv.tiers.base import StoreKey
+
+DEFAULT_SIGHTING_TTL_S = 3600
+"""Seconds a mark lasts: about as long as an engine remembers hashes under load."""
+
+
+@runtime_checkable
+class MarksSightings(Protocol):
+    """A shared tier that marks keys, telling which were marked before."""
+
+    def sight_many(self, keys: Sequence[StoreKey], ttl_s: int) -> list[bool]:
+        """Mark each key for ``ttl_s`` seconds; True for those already marked (by any
+        client). An unanswered key is False."""
+        ...
+
+
+class PoolSightings:
+    """One engine's marks in a shared pool, named by block hash (for every rank)."""
+
+    def __init__(
+        self, tier: MarksSightings, builder: KeyBuilder, *, ttl_s: int, stats: SchedulerStats
+    ) -> None:
+        if ttl_s < 1:
+            raise ValueError(f"ttl_s={ttl_s}: must be >= 1")
+        self.tier = tier
+        self.builder = builder
+        self.ttl_s = ttl_s
+        self.stats = stats
+
+    @classmethod
+    def over(
+        cls, tier: MarksSightings | None, builder: KeyBuilder, ttl_s: int, stats: SchedulerStats
+    ) -> PoolSightings | None:
+        """Marks in ``tier``; None without one."""
+        return None if tier is None else cls(tier, builder, ttl_s=ttl_s, stats=stats)
+
+    def sight(self, hashes: Sequence[BlockHash]) -> npt.NDArray[np.bool_]:
+        """Mark the hashes; True for each another engine (or a run before) marked."""
+        if not hashes:
+            return np.zeros(0, bool)
+        before = np.array(self.tier.sight_many(self.builder.sighting_keys(hashes), self.ttl_s))
+        self.stats.pool_sightings += len(hashes)
+        self.stats.pool_sightings_before += int(np.count_nonzero(before))
+        return before.astype(bool, copy=False)
