@@ -179,27 +179,31 @@ def quiet(engine: SimEngine) -> None:
     engine.settle()
 
 
-def replay(engine: SimEngine, asks: Sequence[Ask]) -> tuple[list[int], int]:
-    """Each request from lookup to its last token; its hit and the KV blocks checked.
-    Every step waits for the jobs and write-backs it started (``quiet``), so a run
-    does not turn on how the stores' threads interleave with later steps (what is
-    left to chance is the disk tier's own writing: ``median_run``)."""
-    hits, checked = [], 0
-    for i, ask in enumerate(asks):
-        req_id = f"r{i}"
-        hit = engine.add(req_id, list(ask.tokens))
+def serve(engine: SimEngine, req_id: str, tokens: Sequence[int]) -> tuple[int, int]:
+    """One request from lookup to its last token: its hit, and the KV blocks of the hit
+    checked against a cold computation. Every step waits for the jobs and write-backs
+    it started (``quiet``), so a run does not turn on how the stores' threads
+    interleave with later steps (what is left to chance is the disk tier's own
+    writing: ``median_run``)."""
+    checked = 0
+    hit = engine.add(req_id, list(tokens))
+    if hit:
+        req = wait_loaded(engine, req_id, after_step=quiet)
+        # A failed load (its blocks evicted since the lookup) is looked up again: a
+        # shorter hit, or none and the prompt recomputed.
+        hit = req.num_computed if req.outcomes[-1].ok else 0
         if hit:
-            req = wait_loaded(engine, req_id, after_step=quiet)
-            # A failed load (its blocks evicted since the lookup) is looked up again: a
-            # shorter hit, or none and the prompt recomputed.
-            hit = req.num_computed if req.outcomes[-1].ok else 0
-            if hit:
-                checked += assert_kv_matches_cold(engine, req, hit)
-        run_to_end(engine, req_id, CHUNK, after_step=quiet)
-        engine.finish(req_id)
-        quiet(engine)
-        hits.append(hit)
-    return hits, checked
+            checked = assert_kv_matches_cold(engine, req, hit)
+    run_to_end(engine, req_id, CHUNK, after_step=quiet)
+    engine.finish(req_id)
+    quiet(engine)
+    return hit, checked
+
+
+def replay(engine: SimEngine, asks: Sequence[Ask]) -> tuple[list[int], int]:
+    """Each request in turn (``serve``): the hits, and the KV blocks checked."""
+    served = [serve(engine, f"r{i}", ask.tokens) for i, ask in enumerate(asks)]
+    return [hit for hit, _ in served], sum(checked for _, checked in served)
 
 
 def run_policy(
@@ -286,21 +290,34 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds of mixed")
+def replay_arguments(description: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that replays these workloads under several policies."""
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds of mixed, once")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--repeats", type=int, default=None, help="runs per policy and case (default 3; 1 quick)"
     )
-    parser.add_argument("--workload", choices=WORKLOADS, action="append", help="default: both")
     parser.add_argument("--json", type=Path, help="write every figure here")
-    args = parser.parse_args()
-    rounds = args.rounds or (3 if args.quick else 8)
+    return parser
+
+
+def rounds_and_repeats(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[int, int]:
+    """Rounds of ``mixed`` and runs per case, from ``replay_arguments``' options."""
     repeats = args.repeats or (1 if args.quick else 3)
     if repeats < 1:
         parser.error(f"--repeats {repeats}: need at least one run")
+    return args.rounds or (3 if args.quick else 8), repeats
+
+
+def main() -> int:
+    parser = replay_arguments(__doc__)
+    parser.add_argument("--workload", choices=WORKLOADS, action="append", help="default: both")
+    args = parser.parse_args()
+    rounds, repeats = rounds_and_repeats(parser, args)
     report: dict[str, Any] = {"rounds": rounds, "repeats": repeats, "workloads": {}}
     for workload_name in args.workload or WORKLOADS:
         asks = workload(rounds, args.seed) if workload_name == "mixed" else docs_workload(args.seed)

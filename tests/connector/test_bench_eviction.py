@@ -4,28 +4,16 @@ KV equals a cold run's (the benchmark compares them and stops on a difference)."
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.benchmarks import run_benchmark
 
 
 @pytest.mark.slow
 def test_the_eviction_benchmark_compares_every_policy_on_each_workload(tmp_path: Path) -> None:
-    out = tmp_path / "eviction.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/bench_eviction.py", "--quick", "--json", out],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report, stdout = run_benchmark("bench_eviction.py", tmp_path / "eviction.json", "--quick")
     assert list(report["workloads"]) == ["mixed", "long-doc-qa"]
     assert report["repeats"] == 1, "--quick replays each case once"
     for part in report["workloads"].values():
@@ -47,4 +35,4 @@ def test_the_eviction_benchmark_compares_every_policy_on_each_workload(tmp_path:
     for rows in docs["shapes"].values():
         only_docs = {k for k, c in rows["lru"]["classes"].items() if c["reusable"]}
         assert only_docs == {"docs"}, "long-doc-qa asks documents only"
-    assert "targets: mixed >= 1.3x" in result.stdout
+    assert "targets: mixed >= 1.3x" in stdout

@@ -3,28 +3,18 @@ benchmark nobody runs rots): every section reports, and every bytes check holds.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.benchmarks import run_benchmark
 
 
 @pytest.mark.slow
 def test_the_gpu_benchmark_runs_on_cpu_tensors_with_exact_bytes(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/bench_gpu.py", "--device", "cpu", "--quick", "--json", out],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    report, stdout = run_benchmark(
+        "bench_gpu.py", tmp_path / "bench.json", "--device", "cpu", "--quick"
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
     assert len(report["copy"]) == 8 and all(row["bytes_equal"] for row in report["copy"])
     assert all(row["copier_device_MiB"] == 32 for row in report["copy"])
     setups = ["cpu", "cpu+disk", "cpu, 2 workers", "cpu, 64 MiB chunk"]
@@ -32,4 +22,4 @@ def test_the_gpu_benchmark_runs_on_cpu_tensors_with_exact_bytes(tmp_path: Path) 
     assert all(row["bytes_equal"] for row in report["jobs"])
     engine = report["engine"]
     assert engine["hybridkv"]["hit_tokens"] > 0 and engine["alone"]["hit_tokens"] == 0
-    assert "simulated engine" in result.stdout and "limit (pinned)" in result.stdout
+    assert "simulated engine" in stdout and "limit (pinned)" in stdout
