@@ -14,10 +14,11 @@ import pytest
 import redis
 
 from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.setup import EngineFacts, build_scheduler
 from hybridkv.connector.sightings import PoolSightings
 from hybridkv.connector.stats import SchedulerStats
-from hybridkv.groups import GroupKind
-from hybridkv.keys import KeyBuilder, KeyNamespace, RequestBlockHasher
+from hybridkv.groups import GroupKind, ModelGroups
+from hybridkv.keys import BlockHash, KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.tier import ValkeyTier
 from hybridkv.tools.pool import LocalPool
@@ -52,12 +53,14 @@ def raw_client(pool: LocalPool) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=pool.valkey_port)
 
 
-def pool_config(tmp_path: Path, pool: LocalPool, ttl_s: int) -> ConnectorConfig:
+def pool_config(
+    tmp_path: Path, pool: LocalPool, ttl_s: int, admission: str = "reused"
+) -> ConnectorConfig:
     tiers = [
         {"kind": "cpu", "capacity_bytes": "8MiB", "pin_memory": False},
         {"kind": "valkey", "port": pool.valkey_port, "op_timeout_s": 2.0},
     ]
-    return make_config(tmp_path, tiers=tiers, admission="reused", admission_sighting_ttl_s=ttl_s)
+    return make_config(tmp_path, tiers=tiers, admission=admission, admission_sighting_ttl_s=ttl_s)
 
 
 def in_pool(pool: LocalPool, keys: list[str]) -> list[bool]:
@@ -157,3 +160,38 @@ def test_marks_are_named_by_model_and_groups_not_by_rank(pool: LocalPool) -> Non
     assert np.array_equal(again.sight([*hashes[:3], hashes[-1]]), [True] * 4)
     assert again.stats.pool_sightings == 4 and again.stats.pool_sightings_before == 4
     tier.close()
+
+
+@pytest.mark.parametrize(
+    ("admission", "ttl_s", "marks"),
+    [("reused", 3600, True), ("reused", 0, False), ("all", 3600, False)],
+)
+def test_the_scheduler_of_another_process_marks_in_its_own_view_of_the_pool(
+    tmp_path: Path, pool: LocalPool, admission: str, ttl_s: int, marks: bool
+) -> None:
+    """``build_scheduler`` without the worker's store (vLLM's scheduler process) marks
+    through the lookup-only Valkey tier it opens, and only where it should."""
+    model_groups = make_groups((SW, FULL), block_size=BLOCK_SIZE)
+    config = pool_config(tmp_path, pool, ttl_s, admission)
+    facts = EngineFacts(model_groups=model_groups, alignment_tokens=BLOCK_SIZE)
+    scheduler, opened = build_scheduler(config, facts)
+    try:
+        sightings = None if scheduler.admission is None else scheduler.admission.sightings
+        assert (sightings is not None) == marks
+        if sightings is not None:
+            assert sightings.tier in opened and sightings.ttl_s == ttl_s
+            scheduler.lookup("r", PREFIX, 0)
+            keys = scheduler.builders[0].sighting_keys(sightings_hashes(model_groups))
+            assert in_pool(pool, keys) == [True] * len(keys)
+            client = raw_client(pool)
+            assert 0 < client.ttl(keys[0]) <= ttl_s
+            client.close()
+    finally:
+        for tier in opened:
+            tier.close()
+
+
+def sightings_hashes(model_groups: ModelGroups) -> list[BlockHash]:
+    hasher = RequestBlockHasher(model_groups.hash_block_size)
+    hasher.extend(PREFIX)
+    return list(hasher.block_hashes)
