@@ -24,7 +24,7 @@ from hybridkv.keys import BlockHash, KeyBuilder
 from hybridkv.tiers.base import StoreKey
 
 DEFAULT_SIGHTING_TTL_S = 3600
-"""Seconds a mark lasts: about as long as an engine remembers hashes under load."""
+"""Seconds a mark lasts: a prefix no engine reached for an hour is new again."""
 
 
 @runtime_checkable
