@@ -313,6 +313,14 @@ def rounds_and_repeats(
     return args.rounds or (3 if args.quick else 8), repeats
 
 
+def publish(text: str, report: dict[str, Any], json_path: Path | None) -> int:
+    """Print a benchmark's table, write its report as JSON where asked; exit status 0."""
+    print(text)
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=1))
+    return 0
+
+
 def main() -> int:
     parser = replay_arguments(__doc__)
     parser.add_argument("--workload", choices=WORKLOADS, action="append", help="default: both")
@@ -334,10 +342,7 @@ def main() -> int:
                     print(f"{workload_name}, {case}, {name}: {totals} hit tokens", flush=True)
                 part["shapes"][case] = summarize(asks, runs)
         report["workloads"][workload_name] = part
-    print(table(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    return 0
+    return publish(table(report), report, args.json)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ hit tokens in every case.
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from bench_eviction import (
     Ask,
     docs_workload,
     median_run,
+    publish,
     replay_arguments,
     reusable,
     rounds_and_repeats,
@@ -182,10 +182,7 @@ def main() -> int:
                 totals = ", ".join(map(str, runs[name]["totals"]))
                 print(f"{case}, {name}: {totals} hit tokens", flush=True)
             report["cases"][case] = summarize(asks, runs)
-    print(table(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    return 0
+    return publish(table(report), report, args.json)
 
 
 if __name__ == "__main__":
