@@ -10,7 +10,9 @@ computation) replays one seeded mixed workload under each policy:
   lru``, ``admission: all``, the CPU tier's ``second_chance`` off);
 * ``chain``: chain-aware recency (``eviction_order: chain``, the default);
 * ``chain+2nd``: and the CPU tier's ``second_chance``;
-* ``chain+2nd+reused``: and ``admission: reused``.
+* ``chain+2nd+reused``: and ``admission: reused``;
+* ``worth+2nd+reused``: the same with ``eviction_order: worth`` (a request's
+  blocks passed over by the prefill they save per byte, ``connector/worth.py``).
 
 The workload interleaves, round by round in a seeded order, requests of four
 classes: ``shared`` (two system prompts, each with a new user tail every
@@ -78,6 +80,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "chain": {"eviction_order": "chain", "admission": "all", "second_chance": False},
     "chain+2nd": {"eviction_order": "chain", "admission": "all", "second_chance": True},
     "chain+2nd+reused": {"eviction_order": "chain", "admission": "reused", "second_chance": True},
+    "worth+2nd+reused": {"eviction_order": "worth", "admission": "reused", "second_chance": True},
 }
 SHAPES = {
     "sliding+full (Gemma 3-like)": (GroupKind.SLIDING_WINDOW, GroupKind.FULL),

@@ -7,17 +7,26 @@ first blocks the rest of a prompt is useless. ``ChainRecency`` remembers, per
 request, the keys this rank stored or loaded for it; each time some of them
 were, the tiers are told to touch all of them last block first, every group's
 block of one position together: the head becomes the most recent, the tail
-(worth the least) goes first.
+(worth the least) goes first. With ``EvictionOrder.WORTH`` each chain's touch
+also gives its blocks the passes its prefill saved per byte earns
+(``connector/worth.py``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from hybridkv.connector.worth import ChainWorth
 from hybridkv.tiers.base import StoreKey
+
+RECENT_CHAINS = 256
+"""Chains whose worth sets the least: passes go to what is worth more than what the
+tier is storing now, so chains all worth the same keep plain chain order."""
+Placed = tuple[StoreKey, int, int]
+"""A block of a chain: its key, its group, its first token."""
 
 
 class EvictionOrder(enum.Enum):
@@ -25,12 +34,17 @@ class EvictionOrder(enum.Enum):
     """A request's blocks age as a chain: its last blocks are evicted first."""
     LRU = "lru"
     """Plain recency: each block as it was stored or read (its first blocks go first)."""
+    WORTH = "worth"
+    """Chain order, and a chain that saves more prefill per byte held stays longer."""
 
 
 @dataclass
 class _Chain:
-    keys_at: dict[int, dict[StoreKey, None]] = field(default_factory=dict)
-    """First token of a block -> the keys of every group's block there (an ordered set)."""
+    keys_at: dict[int, dict[StoreKey, int]] = field(default_factory=dict)
+    """First token of a block -> the keys of every group's block there, each with its
+    group (in order of arrival)."""
+    ends: dict[int, int] = field(default_factory=dict)
+    """Group -> the end of its last block, in tokens."""
     finished: bool = False
 
 
@@ -41,9 +55,14 @@ class ChainRecency:
     once the engine finished it and none of its store jobs is still running.
     """
 
-    def __init__(self, block_sizes: Sequence[int]) -> None:
+    def __init__(self, block_sizes: Sequence[int], worth: ChainWorth | None = None) -> None:
         self.block_sizes = tuple(block_sizes)
         """Per group: tokens per block (positions are in tokens, as groups' sizes differ)."""
+        self.worth = worth
+        """Passes by prefill saved per byte (None: none, recency in chain order alone)."""
+        self._ratios: deque[float] = deque(maxlen=RECENT_CHAINS)
+        """What the chains touched last were worth (``ChainWorth.ratio``): the least of
+        them is worth no pass."""
         self._chains: dict[str, _Chain] = {}
         self._num_jobs: Counter[str] = Counter()
         """Requests -> store jobs still running."""
@@ -62,7 +81,10 @@ class ChainRecency:
         block_size = self.block_sizes[group_id]
         keys_at = chain.keys_at
         for index, key in zip(block_indices, keys, strict=True):
-            keys_at.setdefault(index * block_size, {})[key] = None
+            keys_at.setdefault(index * block_size, {})[key] = group_id
+        if len(block_indices):
+            end = (max(block_indices) + 1) * block_size
+            chain.ends[group_id] = max(chain.ends.get(group_id, 0), end)
 
     def start_store(self, req_id: str) -> None:
         self._num_jobs[req_id] += 1
@@ -88,18 +110,39 @@ class ChainRecency:
                 if req_id not in self._num_jobs and req_id not in self._changed:
                     del self._chains[req_id]
 
-    def take_orders(self) -> list[list[StoreKey]]:
-        """Per request changed since the last call, its keys in the order to touch them:
-        last block first, all groups of a position adjacent (the head ends most recent)."""
+    def take_orders(self) -> list[tuple[list[StoreKey], int | None]]:
+        """Per request changed since the last call, its keys in the order to touch them
+        (last block first, all groups of a position adjacent: the head ends most recent)
+        and the passes they get (``passes``; None without ``worth``)."""
         orders = []
         for req_id in self._changed:
             chain = self._chains[req_id]
             keys_at = chain.keys_at
-            orders.append([k for start in sorted(keys_at, reverse=True) for k in keys_at[start]])
+            placed = [
+                (k, g, at) for at in sorted(keys_at, reverse=True) for k, g in keys_at[at].items()
+            ]
+            orders.append(([k for k, _, _ in placed], self.passes(chain.ends, placed)))
             if chain.finished and req_id not in self._num_jobs:
                 del self._chains[req_id]
         self._changed = set()
         return orders
+
+    def passes(self, ends: dict[int, int], placed: Sequence[Placed]) -> int | None:
+        """The passes ``worth`` gives every block of a chain (key, group, first token):
+        those a hit at the chain's end (where every group's blocks reach) earns by its
+        tokens per byte of the blocks it reads. None without ``worth``."""
+        worth = self.worth
+        if worth is None:
+            return None
+        if len(ends) < len(self.block_sizes):
+            return 0  # a group holds nothing: no hit reads this chain
+        end = min(ends.values())
+        hit_blocks = [worth.hit_blocks(g, end) for g in range(len(self.block_sizes))]
+        read_groups = [g for _, g, at in placed if at // self.block_sizes[g] in hit_blocks[g]]
+        num_bytes = sum(worth.groups[g].block_bytes for g in read_groups)
+        ratio = worth.ratio(end, num_bytes)
+        self._ratios.append(ratio)
+        return worth.passes(ratio, min(self._ratios))
 
     def check_integrity(self) -> None:
         assert all(n > 0 for n in self._num_jobs.values()), self._num_jobs

@@ -10,9 +10,10 @@ asynchronously on CUDA, where ``fence`` keeps the engine from writing a block
 before its copy is done) and written to the tiers in the background; a store
 that cannot be queued is dropped and reported. Blocks the engine's own cache
 served a request, admitted now, are stored again if the first tier has evicted
-them (``StorePlan.refresh``). With ``EvictionOrder.CHAIN`` each
+them (``StorePlan.refresh``). With ``EvictionOrder.CHAIN`` (or ``WORTH``) each
 request's blocks are touched in the tiers, last block first, whenever some were
-stored or loaded (``connector.recency``). With ``Admission.REUSED`` the blocks
+stored or loaded (``connector.recency``; with ``WORTH`` they get the passes their
+prefill saved per byte earns, ``connector.worth``). With ``Admission.REUSED`` the blocks
 the scheduler admits are sent on from the first tier to the slower ones
 (``admit``), once their store, if still running, is done
 (``connector.worker_admission``).
@@ -42,6 +43,7 @@ from hybridkv.connector.recency import ChainRecency, EvictionOrder
 from hybridkv.connector.report import ReportBuilder
 from hybridkv.connector.stats import WorkerStats
 from hybridkv.connector.worker_admission import WorkerAdmission
+from hybridkv.connector.worth import ChainWorth
 from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace
 from hybridkv.layout import CanonicalKVCaches, canonicalize
@@ -117,7 +119,10 @@ class ConnectorWorker:
         self._plain_lru = False
         self._report = ReportBuilder(tp_rank)
         block_sizes = [group.block_size for group in model_groups.groups]
-        self.chains = ChainRecency(block_sizes) if eviction_order is EvictionOrder.CHAIN else None
+        weighs = eviction_order is EvictionOrder.WORTH
+        worth = ChainWorth.for_groups(model_groups) if weighs else None
+        in_chains = eviction_order is not EvictionOrder.LRU
+        self.chains = ChainRecency(block_sizes, worth) if in_chains else None
         """Per request, the blocks to touch in chain order (None: plain recency)."""
 
     # --- set-up ----------------------------------------------------------------
@@ -226,10 +231,10 @@ class ConnectorWorker:
 
     def _touch_chains(self) -> None:
         """Each request whose blocks were stored or loaded since the last poll: all of its
-        blocks, one batch, head last (most recent)."""
+        blocks, one batch, head last (most recent), with the chain's passes."""
         if self.chains is not None:
-            for keys in self.chains.take_orders():
-                self.store.touch_many(keys)
+            for keys, passes in self.chains.take_orders():
+                self.store.touch_many(keys, passes)
 
     def _take_tier_changes(self) -> None:
         """What the tiers stored and removed, by block (recorded only when the engine

@@ -231,10 +231,12 @@ class Tier(abc.ABC):
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove keys; returns how many were present."""
 
-    def touch_many(self, keys: Sequence[StoreKey]) -> None:
+    def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
         """Make the stored ones of these keys the most recently used, in order (the last
-        key ends most recent; absent keys are skipped). The default does nothing: a tier
-        that evicts by another rule (or on a server) ignores it."""
+        key ends most recent; absent keys are skipped); ``passes`` where given: the
+        times each is passed over when it comes round to be evicted, 0-3 (what they save
+        per byte, ``connector/worth.py``). The default does nothing: a tier that evicts
+        by another rule (or on a server) ignores it."""
 
     def put_reused_many(
         self,

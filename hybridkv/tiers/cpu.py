@@ -309,13 +309,17 @@ class CpuTier(Tier):
 
     # Bookkeeping ---------------------------------------------------------------------
 
-    def touch_many(self, keys: Sequence[StoreKey]) -> None:
-        """See ``Tier.touch_many``: one native batch (not counted as gets)."""
+    def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
+        """See ``Tier.touch_many``: one native batch (not counted as gets); passes given
+        replace those the objects had (``LruObjects.grant``)."""
         digests = key_digests(keys)
         with self._lock:
             self._check_open()
             rows = self._index.find(digests)
-            self._index.touch(rows[rows >= 0])
+            rows = rows[rows >= 0]
+            self._index.touch(rows)
+            if passes is not None:
+                self._index.stored.grant(rows, passes)
 
     def use_plain_lru(self, on: bool) -> None:
         """While ``on``, no ``second_chance`` (``LruObjects.plain_lru``)."""

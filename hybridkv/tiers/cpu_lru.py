@@ -2,8 +2,8 @@
 
 Worker process; not thread-safe (``CpuTier`` calls it under its lock). Each
 object is a row of numpy arrays: its key digest (``DigestTable``), arena offset
-and size, borrow count and its neighbours in the LRU list (44 B, plus the
-table's buckets), not an OrderedDict entry, a slot object, their ints and the key
+and size, borrow count, its neighbours in the LRU list and its marks (44 B, plus
+the table's buckets), not an OrderedDict entry, a slot object, their ints and the key
 string, several times that (README, Performance). Changes run natively: one call
 per batch.
 """
@@ -32,10 +32,15 @@ from hybridkv.tiers.digest_table import (
 Wide = npt.NDArray[np.int64]
 """Per row: arena offset, size (NONE: a free row)."""
 Narrow = npt.NDArray[np.int32]
-"""Per row: borrows, the next older row, the next newer row (NONE: none), and 1 when
-the object was read since it was added or last came round (``second_chance``)."""
+"""Per row: borrows, the next older row, the next newer row (NONE: none), and marks:
+bit 0 set when the object was read since it was added or last came round
+(``second_chance``), bits 1-2 the passes it has left, bits 3-4 those ``grant`` gave it
+(each use restores them)."""
 _OFFSET, _SIZE = 0, 1
-_BORROWS, _OLDER, _NEWER, _READ = 0, 1, 2, 3
+_BORROWS, _OLDER, _NEWER, _MARKS = 0, 1, 2, 3
+_READ, _PASS, _LEFT, _GRANTED = 1, 2, 6, 8
+MAX_PASSES = 3
+"""The most passes ``grant`` gives a row (bits 1-2 of its marks)."""
 _HEAD, _TAIL = 0, 1
 PROTECTED = 0.75
 """``second_chance`` passes a read row over only while at most this share of the rows
@@ -73,6 +78,9 @@ def _link_newest(narrow: Narrow, ends: Rows, row: int) -> None:  # pragma: no co
 
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
 def _touch_one(narrow: Narrow, ends: Rows, row: int) -> None:  # pragma: no cover - native
+    """Make the row the most recent, its passes those granted it again."""
+    marks = narrow[row, _MARKS]
+    narrow[row, _MARKS] = (marks & ~_LEFT) | ((marks // _GRANTED) * _PASS & _LEFT)
     if ends[_TAIL] != row:
         _unlink(narrow, ends, row)
         _link_newest(narrow, ends, row)
@@ -96,15 +104,16 @@ def _add(
     new_keys: Digests,
     new_wide: Wide,
     out: Rows,
+    entry: int,
 ) -> None:  # pragma: no cover - native
-    """New objects, each the most recent in turn (``out``: its row; NONE for a digest
-    present already). The caller made room for all."""
+    """New objects, each the most recent in turn, with marks ``entry`` (``out``: its row;
+    NONE for a digest present already). The caller made room for all."""
     for i in range(len(new_keys)):
         row = claim_one(buckets, keys, meta, new_keys[i, 0], new_keys[i, 1])
         out[i] = row
         if row >= 0:
             wide[row, _OFFSET], wide[row, _SIZE] = new_wide[i, _OFFSET], new_wide[i, _SIZE]
-            narrow[row, _BORROWS], narrow[row, _READ] = 0, 0
+            narrow[row, _BORROWS], narrow[row, _MARKS] = 0, entry
             _link_newest(narrow, ends, row)
 
 
@@ -119,6 +128,7 @@ def _settle(
     changes: Rows,
     change_keys: Digests,
     change_wide: Wide,
+    entry: int,
 ) -> int:  # pragma: no cover - native
     """Apply deferred changes in order: touch row ``changes[i]``, or ``_ADD`` an object,
     or ``_TOUCH_ADDED`` one; returns how many adds found their digest present."""
@@ -131,7 +141,7 @@ def _settle(
                 num_present += 1
                 continue
             wide[row, _OFFSET], wide[row, _SIZE] = change_wide[i, _OFFSET], change_wide[i, _SIZE]
-            narrow[row, _BORROWS], narrow[row, _READ] = 0, 0
+            narrow[row, _BORROWS], narrow[row, _MARKS] = 0, entry
             _link_newest(narrow, ends, row)
         else:
             if row == _TOUCH_ADDED:
@@ -149,19 +159,25 @@ def _unlink_all(narrow: Narrow, ends: Rows, wide: Wide, rows: Rows) -> None:  # 
 
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
 def _oldest_unborrowed(
-    narrow: Narrow, ends: Rows, marked: Rows, max_marked: int
+    narrow: Narrow, ends: Rows, marked: Rows, max_marked: int, passes: bool
 ) -> int:  # pragma: no cover - native
-    """The least recent row nobody borrows. While at most ``max_marked`` rows are marked
-    read (``marked[0]``, which the walk keeps), a marked row is passed over once: it
-    becomes the most recent, its mark cleared (so the walk ends within two rounds)."""
+    """The least recent row nobody borrows. With ``passes``, a row with passes left is
+    passed over, one pass spent; while at most ``max_marked`` rows are marked read
+    (``marked[0]``, which the walk keeps), a marked row is passed over once, its mark
+    cleared. A row passed over becomes the most recent (so the walk ends within
+    ``MAX_PASSES + 2`` rounds)."""
     row = int(ends[_HEAD])
     while row >= 0:
         newer = int(narrow[row, _NEWER])
         if narrow[row, _BORROWS] == 0:
-            if not (narrow[row, _READ] and marked[0] <= max_marked):
+            marks = narrow[row, _MARKS]
+            if passes and marks & _LEFT:
+                narrow[row, _MARKS] = marks - _PASS
+            elif marks & _READ and marked[0] <= max_marked:
+                narrow[row, _MARKS] = marks - _READ
+                marked[0] -= 1
+            else:
                 return row
-            narrow[row, _READ] = 0
-            marked[0] -= 1
             if newer < 0:  # the newest already: nothing else to pass it for
                 return row
             _unlink(narrow, ends, row)
@@ -187,12 +203,15 @@ class LruObjects:
     """Stored objects by key digest: arena offset, size and borrows of each, and their
     order of use (least recent first). With ``second_chance`` an object read since it
     was added (or last came round) is passed over once when it is the least recent:
-    objects never read go first (while at most ``PROTECTED`` of them were read)."""
+    objects never read go first (while at most ``PROTECTED`` of them were read). An
+    object ``grant`` gave passes is passed over that many times first, and again after
+    each use (no cap: passes given to every object alike keep their order); once it gave
+    any, new objects enter with ``MAX_PASSES`` until a grant sets theirs."""
 
     def __init__(self, *, second_chance: bool = False) -> None:
         self.second_chance = second_chance
         self.plain_lru = False
-        """For now least recently used first, ``second_chance`` or not."""
+        """For now least recently used first: neither reads nor passes keep an object."""
         self._table = DigestTable()
         self._wide: Wide = np.zeros((0, 2), np.int64)
         self._narrow: Narrow = np.zeros((0, 4), np.int32)
@@ -201,6 +220,8 @@ class LruObjects:
         """Changes deferred to ``settle``, in order: (row to touch, or ``_ADD`` /
         ``_TOUCH_ADDED``; digest, offset, size)."""
         self._added_later: set[bytes] = set()
+        self._entry = 0
+        """Marks of a new object: no pass, or ``MAX_PASSES`` once ``grant`` gave any."""
         self._marked: Rows = np.zeros(1, np.int64)
         """Rows marked read (``mark_read``), in element 0 (the native walk clears marks)."""
 
@@ -236,7 +257,7 @@ class LruObjects:
         table = self._make_room(len(digests))
         out = np.empty(len(digests), np.int64)
         new_wide = np.stack([offsets, sizes], axis=1).astype(np.int64)
-        args = (self._wide, self._narrow, self._ends, digests, new_wide, out)
+        args = (self._wide, self._narrow, self._ends, digests, new_wide, out, self._entry)
         _add(table.buckets, table.keys, table.meta, *args)
         return out
 
@@ -258,11 +279,28 @@ class LruObjects:
     def mark_read(self, rows: Rows) -> None:
         """These objects were read (a hit): ``second_chance`` passes them over once."""
         rows = np.unique(rows)
-        self._marked[0] += len(rows) - np.count_nonzero(self._narrow[rows, _READ])
-        self._narrow[rows, _READ] = 1
+        self._marked[0] += len(rows) - np.count_nonzero(self._narrow[rows, _MARKS] & _READ)
+        self._narrow[rows, _MARKS] |= _READ
 
     def was_read(self, row: int) -> bool:
-        return bool(self._narrow[row, _READ])
+        return bool(self._narrow[row, _MARKS] & _READ)
+
+    def grant(self, rows: Rows, passes: int) -> None:
+        """These objects are passed over ``passes`` times (0 to ``MAX_PASSES``) when they
+        come round as the least recent, from now on and after each use (a touch, a
+        read)."""
+        if not 0 <= passes <= MAX_PASSES:
+            raise ValueError(f"passes {passes} outside 0..{MAX_PASSES}")
+        if len(rows) and passes:
+            # What an object is worth is known only once its request's stores end: until
+            # then it must not be the walk's first object without passes, so new objects
+            # enter with the most.
+            self._entry = MAX_PASSES * (_PASS + _GRANTED)
+        narrow = self._narrow
+        narrow[rows, _MARKS] = (narrow[rows, _MARKS] & _READ) | (passes * (_PASS + _GRANTED))
+
+    def passes_left(self, row: int) -> int:
+        return (int(self._narrow[row, _MARKS]) & _LEFT) // _PASS
 
     # A batch of puts defers its changes: one native call applies them all.
 
@@ -289,23 +327,33 @@ class LruObjects:
         changes = np.array([change[0] for change in later], np.int64)
         change_keys = digest_words(b"".join(change[1] or bytes(16) for change in later))
         change_wide = np.array([change[2:] for change in later], np.int64)
-        args = (self._wide, self._narrow, self._ends, changes, change_keys, change_wide)
+        args = (
+            self._wide,
+            self._narrow,
+            self._ends,
+            changes,
+            change_keys,
+            change_wide,
+            self._entry,
+        )
         num_present = _settle(table.buckets, table.keys, table.meta, *args)
         assert num_present == 0, f"{num_present} deferred adds found their key present"
 
     def remove(self, rows: Rows) -> None:
         """Forget these rows (each in use, each once)."""
         assert np.all(self.sizes[rows] >= 0), "a row not in use"
-        self._marked[0] -= np.count_nonzero(self._narrow[rows, _READ])
+        self._marked[0] -= np.count_nonzero(self._narrow[rows, _MARKS] & _READ)
         _unlink_all(self._narrow, self._ends, self._wide, rows)
         self._table.release(rows)
 
     def oldest_unborrowed(self) -> int:
-        """The least recently used row nobody borrows (see ``second_chance``, which may
-        reorder rows read since they last came round); NONE if none."""
-        passes = self.second_chance and not self.plain_lru
-        max_marked = int(PROTECTED * len(self)) if passes else -1
-        return int(_oldest_unborrowed(self._narrow, self._ends, self._marked, max_marked))
+        """The least recently used row nobody borrows (see ``second_chance`` and
+        ``grant``, which may reorder rows passed over); NONE if none. ``plain_lru``:
+        neither passes anything over."""
+        rereads = self.second_chance and not self.plain_lru
+        max_marked = int(PROTECTED * len(self)) if rereads else -1
+        args = (self._narrow, self._ends, self._marked, max_marked, not self.plain_lru)
+        return int(_oldest_unborrowed(*args))
 
     def order(self) -> Rows:
         """Rows in use, least recently used first."""
@@ -332,7 +380,7 @@ class LruObjects:
             assert older[order[0]] == NONE and newer[order[-1]] == NONE
             assert np.array_equal(older[order[1:]], order[:-1]), "links disagree"
         assert np.all(self.borrows[in_use] >= 0)
-        marked = np.count_nonzero(self._narrow[in_use, _READ])
+        marked = np.count_nonzero(self._narrow[in_use, _MARKS] & _READ)
         assert marked == self._marked[0], f"{self._marked[0]} rows counted read, {marked} marked"
 
 
@@ -351,6 +399,7 @@ def warm_up() -> None:
     objects.settle()
     objects.oldest_unborrowed()
     objects.mark_read(rows)
+    objects.grant(rows, 1)
     objects.second_chance = True
     objects.oldest_unborrowed()
     objects.order()

@@ -19,7 +19,8 @@ def test_the_eviction_benchmark_compares_every_policy_on_each_workload(tmp_path:
     for part in report["workloads"].values():
         assert len(part["shapes"]) == 4, "two shapes, two sizes of cpu tier"
         for rows in part["shapes"].values():
-            assert list(rows) == ["lru", "chain", "chain+2nd", "chain+2nd+reused"]
+            policies = ["lru", "chain", "chain+2nd", "chain+2nd+reused", "worth+2nd+reused"]
+            assert list(rows) == policies
             reusable = [
                 {k: c["reusable"] for k, c in row["classes"].items()} for row in rows.values()
             ]

@@ -1,5 +1,7 @@
 """``eviction_order``: a CPU tier too small for two prompts keeps the head of the first
-(``chain``), or loses it first (``lru``), on a real scheduler, worker and tier."""
+(``chain``, ``worth``), or loses it first (``lru``); with ``worth`` a long prompt held in
+fewer bytes per token than short ones outlives them; on a real scheduler, worker and
+tier."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def _store(engine: SimEngine, req_id: str, tokens: list[int]) -> None:
 
 
 @pytest.mark.parametrize("kinds", [(FULL,), (SW, FULL)], ids=["full", "sliding+full"])
-@pytest.mark.parametrize("order", ["chain", "lru"])
+@pytest.mark.parametrize("order", ["chain", "worth", "lru"])
 def test_a_second_prompt_evicts_the_tail_of_the_first(
     tmp_path: Path, kinds: tuple[GroupKind, ...], order: str
 ) -> None:
@@ -57,7 +59,7 @@ def test_a_second_prompt_evicts_the_tail_of_the_first(
     num_kept = survived.count(True)
     assert 0 < num_kept < NUM_BLOCKS
     hit = engine.add("a again", a)
-    if order == "chain":  # its head, whole, in every group
+    if order != "lru":  # its head, whole, in every group (every chain is worth the same)
         assert survived == [True] * num_kept + [False] * (NUM_BLOCKS - num_kept)
         assert hit == num_kept * BLOCK_SIZE
         req = wait_loaded(engine, "a again")
@@ -66,6 +68,55 @@ def test_a_second_prompt_evicts_the_tail_of_the_first(
     else:  # its tail, useless without the head
         assert survived == [False] * (NUM_BLOCKS - num_kept) + [True] * num_kept
         assert hit == 0
+    close_engine(engine)
+
+
+MAMBA = GroupKind.MAMBA
+LONG_BLOCKS, SHORT_BLOCKS, NUM_SHORT = 40, 1, 17
+
+
+def _store_in_one_step(engine: SimEngine, req_id: str, tokens: list[int]) -> None:
+    """As vLLM prefills a prompt under its token budget: one step, one Mamba state."""
+    assert engine.add(req_id, tokens) == 0
+    run_to_end(engine, req_id, len(tokens))
+    engine.settle()
+    assert engine.finish(req_id) is False
+
+
+@pytest.mark.parametrize("order", ["chain", "worth"])
+def test_a_long_prompt_held_in_fewer_bytes_per_token_outlives_short_ones(
+    tmp_path: Path, order: str
+) -> None:
+    """Mamba + full attention, each prompt in one step: a 40-block prompt holds 41 blocks
+    (one state), a 1-block prompt 2, so the long one saves 1.7 times the prefill per
+    byte of the short one stored before it, and ``worth`` passes it over once. Short
+    prompts stored after it overflow the tier: chain order evicts the long prompt's
+    tail, its one state with it, and no hit is left; ``worth`` evicts the short prompts
+    instead, once."""
+    model_groups = make_groups((MAMBA, FULL), block_size=BLOCK_SIZE)
+    capacity = 64 * 2 * attention_page_bytes(BLOCK_SIZE)  # 64 blocks of the full group
+    tier = {"kind": "cpu", "capacity_bytes": capacity, "pin_memory": False}
+    engine = make_engine(model_groups, make_config(tmp_path, tiers=[tier], eviction_order=order))
+    long = prompt(LONG_BLOCKS * BLOCK_SIZE)
+    shorts = [prompt(SHORT_BLOCKS * BLOCK_SIZE, seed=10 + i) for i in range(NUM_SHORT)]
+    _store_in_one_step(engine, "short 0", shorts[0])
+    _store_in_one_step(engine, "long", long)
+    for i in range(1, NUM_SHORT):  # 75 blocks in all: 11 more than the tier holds
+        _store_in_one_step(engine, f"short {i}", shorts[i])
+    cpu = engine.worker.store.tiers[0]
+    assert isinstance(cpu, CpuTier) and cpu.stats().evictions > 0
+    kept = cpu.contains_many(block_keys(model_groups, long, 1, range(LONG_BLOCKS)))
+    hit = engine.add("long again", long + prompt(BLOCK_SIZE, seed=99))
+    if order == "chain":
+        assert kept.count(False) > 0 and hit == 0
+    else:
+        assert kept == [True] * LONG_BLOCKS
+        assert hit == LONG_BLOCKS * BLOCK_SIZE
+        req = wait_loaded(engine, "long again")
+        assert req.outcomes[-1].ok
+        assert assert_kv_matches_cold(engine, req, hit) > 0
+        after = cpu.contains_many(block_keys(model_groups, shorts[1], 1, range(SHORT_BLOCKS)))
+        assert after == [False] * SHORT_BLOCKS  # a short prompt stored after it went instead
     close_engine(engine)
 
 

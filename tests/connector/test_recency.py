@@ -22,11 +22,11 @@ def test_last_block_first_and_groups_of_a_position_together() -> None:
     assert chains.take_orders() == []  # nothing stored or loaded yet
     chains.touched("r")
     order = [key(0, 3), key(0, 2), key(1, 2), key(0, 1), key(1, 1), key(0, 0)]
-    assert chains.take_orders() == [order]
+    assert chains.take_orders() == [(order, None)]
     assert chains.take_orders() == []  # until blocks move again
     chains.add("r", 0, [1], [key(0, 1)])  # stored again: still once
     chains.touched("r")
-    assert chains.take_orders() == [order]
+    assert chains.take_orders() == [(order, None)]
 
 
 def test_positions_are_tokens_when_block_sizes_differ() -> None:
@@ -34,7 +34,8 @@ def test_positions_are_tokens_when_block_sizes_differ() -> None:
     chains.add("r", 0, range(8), [key(0, i) for i in range(8)])
     chains.add("r", 1, [0, 1], [key(1, 0), key(1, 1)])
     chains.touched("r")
-    (order,) = chains.take_orders()
+    ((order, passes),) = chains.take_orders()
+    assert passes is None
     assert order == [
         *(key(0, i) for i in (7, 6, 5)),
         key(0, 4),
@@ -52,9 +53,9 @@ def test_a_finished_request_is_touched_after_its_last_store_then_forgotten() -> 
     chains.start_store("r")
     chains.finish({"r", "unknown"})
     chains.end_store("r")
-    assert chains.take_orders() == [[key(0, 1), key(0, 0)]] and len(chains) == 1
+    assert chains.take_orders() == [([key(0, 1), key(0, 0)], None)] and len(chains) == 1
     chains.end_store("r")
-    assert chains.take_orders() == [[key(0, 1), key(0, 0)]] and len(chains) == 0
+    assert chains.take_orders() == [([key(0, 1), key(0, 0)], None)] and len(chains) == 0
     chains.touched("r")  # a late load result of a forgotten request
     assert chains.take_orders() == []
     chains.check_integrity()
@@ -69,4 +70,4 @@ def test_order_matches_a_sort_by_position(blocks: list[tuple[int, int]]) -> None
     chains.touched("r")
     first_seen = list(dict.fromkeys(blocks))
     expected = sorted(first_seen, key=lambda b: -b[1] * block_sizes[b[0]])  # stable
-    assert chains.take_orders() == ([[key(*b) for b in expected]] if blocks else [])
+    assert chains.take_orders() == ([([key(*b) for b in expected], None)] if blocks else [])

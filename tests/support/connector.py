@@ -186,8 +186,8 @@ class GatedTier(Tier):
     ) -> list[PutStatus]:
         return self.inner.put_many(keys, buffers, checksums)
 
-    def touch_many(self, keys: Sequence[StoreKey]) -> None:
-        self.inner.touch_many(keys)
+    def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
+        self.inner.touch_many(keys, passes)
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         self.num_waiting += 1

@@ -303,10 +303,10 @@ class TieredStore(Admitting, Tier):
         tiers as ``put_many`` does, without a copy (``tiers.tiered.admission``)."""
         return self._memory
 
-    def touch_many(self, keys: Sequence[StoreKey]) -> None:
+    def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
         """Passed to every tier (those that evict by recency reorder, see ``Tier.touch_many``)."""
         for index, tier in enumerate(self.tiers):
-            self._guard.call(index, "touch", None, tier.touch_many, keys)
+            self._guard.call(index, "touch", None, tier.touch_many, keys, passes)
 
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove from every tier (and from the write-back queue); returns keys found anywhere."""
