@@ -12,8 +12,9 @@ full-attention group) holds 4 blocks for a one-block prompt and 13 for a
 ten-block prompt prefilled in one step, 3.1 times the prefill saved per byte.
 
 ``eviction_order: worth`` weighs that against recency as GreedyDual does. A
-chain's worth per byte is measured against the least a chain can be worth (a
-block of every group per block of tokens: ``ratio``); a chain worth ``r``
+chain's worth is that of a hit at its end: its tokens over the bytes of the
+blocks that hit reads, as a multiple of the least a chain can be worth (a
+block of every group per block of tokens: ``ratio``). A chain worth ``r``
 times the least of the chains touched lately (``connector.recency``) is
 passed over ``round(r) - 1`` times when it comes round to be evicted (at most
 ``MAX_PASSES``), and again after each use, so it stays about ``r`` times as
@@ -22,14 +23,12 @@ every block of every group stored, or prompts all alike) get no pass and
 keep plain chain order: against the least possible instead, chains all
 worth 1.9 (the eviction bench's sliding-window shape) each got a pass, and
 the tier's clock of passes, not quite recency, cost up to 6% of the hits on
-its mixed workload. A chain's worth is
-that of a hit at its end (its tokens over the bytes of the blocks that hit
-reads), and every block of the chain gets its passes: a state or window a step
-left earlier in the chain is where a request that shares only that prefix (a
-system prompt with a new question, a document asked again) hits, and where
-chain order falls back as the tail goes. (Passes for the end hit's blocks
-alone, tried, lost half of the documents' hits on the eviction bench's mixed
-workload, Mamba shape.)
+its mixed workload. Every block of the chain gets its passes: a state or
+window a step left earlier in the chain is where a request that shares only
+that prefix (a system prompt with a new question, a document asked again)
+hits, and where chain order falls back as the tail goes. (Passes for the end
+hit's blocks alone, tried, lost half of the documents' hits on the eviction
+bench's mixed workload, Mamba shape.)
 
 Prefill saved is counted in tokens: attention's work grows with the context,
 but the hybrid models this is for have few attention layers, and how that work
