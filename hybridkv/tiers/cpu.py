@@ -310,8 +310,7 @@ class CpuTier(Tier):
     # Bookkeeping ---------------------------------------------------------------------
 
     def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
-        """See ``Tier.touch_many``: one native batch (not counted as gets); passes given
-        replace those the objects had (``LruObjects.grant``)."""
+        """``Tier.touch_many`` in one native batch (not gets); passes: ``LruObjects.grant``."""
         digests = key_digests(keys)
         with self._lock:
             self._check_open()

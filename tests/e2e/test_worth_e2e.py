@@ -1,0 +1,42 @@
+"""``eviction_order: worth`` on real vLLM (CPU), every tiny model: the worker reckons a
+request's worth from the engine's own groups (its block sizes, Mamba states, sliding
+windows) at each touch, and a warm run after vLLM's cache is wiped still loads every
+group from the tiers, with the greedy tokens of the engine alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.tools.models import TinyModelKind
+from tests.e2e.expect import (
+    EXTERNAL_HITS,
+    assert_same_outputs,
+    counter,
+    describe,
+    engine_facts,
+    full_hit_tokens,
+)
+from tests.e2e.harness import Harness, PlanRun
+from tests.e2e.scenarios import first_engine
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("kind", tuple(TinyModelKind), ids=lambda k: k.value)
+def test_worth_keeps_loads_whole_and_outputs_equal(
+    kind: TinyModelKind, harness: Harness, baselines: PlanRun
+) -> None:
+    model = harness.model(kind)
+    plan = first_engine(model, harness.cache_dir(f"worth-{kind.value}"))
+    plan["connector"] = {**plan["connector"], "eviction_order": "worth"}
+    run = harness.run(f"worth-{kind.value}", [plan])
+    warm = run.step("first", "warm")
+    assert_same_outputs(warm, baselines.step(f"baseline-{kind.value}", "cold"), model, "warm")
+    facts = engine_facts(run, "first")
+    expected = [full_hit_tokens(n, facts) for n in warm["num_prompt_tokens"]]
+    assert warm["num_cached_tokens"] == expected, describe(warm)
+    assert warm["metrics"].get(EXTERNAL_HITS, 0.0) == sum(expected) > 0, describe(warm)
+    assert counter(warm["connector"], "loads", outcome="failed") == 0, describe(warm)
+    concurrent = run.step("first", "concurrent")
+    reference = baselines.step(f"baseline-{kind.value}", "concurrent")
+    assert_same_outputs(concurrent, reference, model, "16 concurrent requests")
