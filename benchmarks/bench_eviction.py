@@ -182,12 +182,14 @@ def quiet(engine: SimEngine) -> None:
     engine.settle()
 
 
-def serve(engine: SimEngine, req_id: str, tokens: Sequence[int]) -> tuple[int, int]:
-    """One request from lookup to its last token: its hit, and the KV blocks of the hit
-    checked against a cold computation. Every step waits for the jobs and write-backs
-    it started (``quiet``), so a run does not turn on how the stores' threads
-    interleave with later steps (what is left to chance is the disk tier's own
-    writing: ``median_run``)."""
+def serve(
+    engine: SimEngine, req_id: str, tokens: Sequence[int], chunk: int = CHUNK
+) -> tuple[int, int]:
+    """One request from lookup to its last token, ``chunk`` tokens a step: its hit, and
+    the KV blocks of the hit checked against a cold computation. Every step waits for
+    the jobs and write-backs it started (``quiet``), so a run does not turn on how the
+    stores' threads interleave with later steps (what is left to chance is the disk
+    tier's own writing: ``median_run``)."""
     checked = 0
     hit = engine.add(req_id, list(tokens))
     if hit:
@@ -197,7 +199,7 @@ def serve(engine: SimEngine, req_id: str, tokens: Sequence[int]) -> tuple[int, i
         hit = req.num_computed if req.outcomes[-1].ok else 0
         if hit:
             checked = assert_kv_matches_cold(engine, req, hit)
-    run_to_end(engine, req_id, CHUNK, after_step=quiet)
+    run_to_end(engine, req_id, chunk, after_step=quiet)
     engine.finish(req_id)
     quiet(engine)
     return hit, checked
@@ -242,19 +244,24 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {**runs[median], "totals": totals}
 
 
+def tally(
+    asks: Sequence[Ask], can: Sequence[int], run: dict[str, Any], classes: Sequence[str]
+) -> dict[str, Any]:
+    """A run's row: reusable and hit tokens per class of request and in total, and the run."""
+    by_class = {
+        kind: {
+            "reusable": sum(c for c, a in zip(can, asks, strict=True) if a.kind == kind),
+            "hit": sum(h for h, a in zip(run["hits"], asks, strict=True) if a.kind == kind),
+        }
+        for kind in classes
+    }
+    total = {"reusable": sum(can), "hit": sum(run["hits"])}
+    return {"classes": by_class, "total": total, **run}
+
+
 def summarize(asks: Sequence[Ask], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     can = reusable(asks)
-    rows: dict[str, Any] = {}
-    for name, run in runs.items():
-        by_class = {
-            kind: {
-                "reusable": sum(c for c, a in zip(can, asks, strict=True) if a.kind == kind),
-                "hit": sum(h for h, a in zip(run["hits"], asks, strict=True) if a.kind == kind),
-            }
-            for kind in CLASSES
-        }
-        total = {"reusable": sum(can), "hit": sum(run["hits"])}
-        rows[name] = {"classes": by_class, "total": total, **run}
+    rows = {name: tally(asks, can, run, CLASSES) for name, run in runs.items()}
     lru = rows["lru"]
     for row in rows.values():
         row["over_lru"] = row["total"]["hit"] / max(1, lru["total"]["hit"])

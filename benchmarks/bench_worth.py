@@ -51,24 +51,21 @@ from bench_eviction import (  # noqa: E402
     Ask,
     median_run,
     publish,
-    quiet,
     replay_arguments,
     rounds_and_repeats,
+    serve,
+    tally,
 )
 
 from hybridkv.groups import GroupKind  # noqa: E402
 from tests.support.connector import (  # noqa: E402
-    assert_kv_matches_cold,
     close_engine,
     make_config,
     make_engine,
     prompt,
-    run_to_end,
-    wait_loaded,
 )
 from tests.support.sim import (  # noqa: E402
     MAMBA_STATE_BYTES,
-    SimEngine,
     attention_page_bytes,
     make_groups,
 )
@@ -127,22 +124,6 @@ def reusable(asks: Sequence[Ask]) -> list[int]:
     return out
 
 
-def serve(engine: SimEngine, req_id: str, tokens: Sequence[int]) -> tuple[int, int]:
-    """One request from lookup to its last token, prefilled in one step: its hit and the
-    KV blocks of the hit checked against a cold computation."""
-    checked = 0
-    hit = engine.add(req_id, list(tokens))
-    if hit:
-        req = wait_loaded(engine, req_id, after_step=quiet)
-        hit = req.num_computed if req.outcomes[-1].ok else 0
-        if hit:
-            checked = assert_kv_matches_cold(engine, req, hit)
-    run_to_end(engine, req_id, len(tokens), after_step=quiet)
-    engine.finish(req_id)
-    quiet(engine)
-    return hit, checked
-
-
 def run_policy(cpu_objects: int, order: str, asks: Sequence[Ask]) -> dict[str, Any]:
     """One replay of ``asks`` on a fresh CPU tier."""
     assert attention_page_bytes(BLOCK_SIZE) == MAMBA_STATE_BYTES
@@ -153,7 +134,10 @@ def run_policy(cpu_objects: int, order: str, asks: Sequence[Ask]) -> dict[str, A
         engine = make_engine(make_groups(SHAPE, block_size=BLOCK_SIZE), config)
         start = time.perf_counter()
         try:
-            served = [serve(engine, f"r{i}", ask.tokens) for i, ask in enumerate(asks)]
+            served = [  # each prompt prefilled in one step
+                serve(engine, f"r{i}", ask.tokens, chunk=len(ask.tokens))
+                for i, ask in enumerate(asks)
+            ]
         finally:
             close_engine(engine)
     return {
@@ -165,17 +149,7 @@ def run_policy(cpu_objects: int, order: str, asks: Sequence[Ask]) -> dict[str, A
 
 def summarize(asks: Sequence[Ask], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     can = reusable(asks)
-    rows: dict[str, Any] = {}
-    for name, run in runs.items():
-        classes = {
-            kind: {
-                "reusable": sum(c for c, a in zip(can, asks, strict=True) if a.kind == kind),
-                "hit": sum(h for h, a in zip(run["hits"], asks, strict=True) if a.kind == kind),
-            }
-            for kind in CLASSES
-        }
-        total = {"reusable": sum(can), "hit": sum(run["hits"])}
-        rows[name] = {"classes": classes, "total": total, **run}
+    rows = {name: tally(asks, can, run, CLASSES) for name, run in runs.items()}
     for row in rows.values():
         row["over_chain"] = row["total"]["hit"] / max(1, rows["chain"]["total"]["hit"])
     return rows
