@@ -4,8 +4,8 @@ Any process; imports nothing of hybridkv. A stats dataclass (``TierStats``,
 the connector's ``SchedulerStats``, ...) declares each field it exports with
 ``counter``, ``counters``, ``gauge`` or ``histogram``: the metric's name (the
 field's own unless given), help text and labels. ``declared`` lists them in
-field order; the connector builds its catalog, its samples and the README's
-table from that (``hybridkv.connector.metrics``), so each metric is written
+field order; the connector builds its catalog, its samples and the table of
+docs/METRICS.md from that (``hybridkv.connector.metrics``), so each metric is written
 down once, next to the number it reports.
 """
 

@@ -10,7 +10,7 @@ and what is allowed. Objects that code builds (a model's groups, key
 namespaces, transfer settings) declare their fields the same way and call
 ``check_fields``, so a value made in code meets the same declarations as one
 read from a file. ``field_docs`` describes the fields, for ``hybridkv
-config`` and the README tables, so docs and code cannot drift.
+config`` and the tables of docs/CONFIGURATION.md, so docs and code cannot drift.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 CLI process. The tables come from the config dataclasses themselves
 (``hybridkv.schema.field_docs``), so they cannot drift from the code; the
-README's tables are this command's ``--markdown`` output (a test checks it).
+tables of docs/CONFIGURATION.md are this command's ``--markdown`` output
+(``scripts/generate_docs.py`` writes them there; a test checks them).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _tables() -> list[tuple[str, list[FieldDoc]]]:
 
 
 def render_markdown() -> str:
-    """The README's configuration tables."""
+    """The configuration tables of docs/CONFIGURATION.md."""
     blocks = []
     for title, docs in _tables():
         rows = [f"**{title}**", "", "| key | type | default | meaning |", "|---|---|---|---|"]

@@ -114,5 +114,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"[demo] FAILED: {problem}", file=sys.stderr, flush=True)
     if not problems:
         say("outputs of every run match the cold run; hits came from vLLM, then hybridkv's tiers")
-        bench_say("for serving workloads: hybridkv bench multi-turn (see README, Performance)")
+        bench_say("for serving workloads: hybridkv bench multi-turn (see docs/PERFORMANCE.md)")
     return 1 if problems else 0

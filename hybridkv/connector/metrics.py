@@ -3,8 +3,8 @@
 Any process. Every metric is declared once, on the stats field it reports
 (``hybridkv.metric_fields``): ``CATALOG`` lists those of the scheduler's,
 the worker's and each tier's stats, plus the scheduler's state gauge.
-Exporters (``hybridkv.integrations.vllm.metrics``) and the README's metrics
-table are built from it. ``scheduler_samples`` and ``worker_samples`` read
+Exporters (``hybridkv.integrations.vllm.metrics``) and the metrics table of
+docs/METRICS.md are built from it. ``scheduler_samples`` and ``worker_samples`` read
 the monotonic totals (and the gauges) of one side; exporters turn them into
 deltas. Names follow Prometheus conventions: base units, ``_total`` for
 counters (added by the exporter), labels for groups, kinds, tiers and outcomes.
@@ -85,7 +85,7 @@ def samples_of(stats: object, labels: tuple[str, ...] = ()) -> Iterator[Sample]:
 
 
 def markdown_table() -> str:
-    """The README's table of metrics."""
+    """The table of metrics in docs/METRICS.md."""
     rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for m in CATALOG:
         labels = ", ".join(f"`{label}`" for label in m.labels)

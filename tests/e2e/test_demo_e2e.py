@@ -3,7 +3,7 @@
 Gemma 3 270M's shape built here, two 4096-token prompts on hybridkv's
 embedded default (no tiers configured), cold, on vLLM's cache, from the CPU
 tier after vLLM's cache is reset, and from disk after a restart. Speed is
-the bench's business (README, Performance); this test checks what a user
+the bench's business (docs/PERFORMANCE.md); this test checks what a user
 must be able to trust: the runs happen, hits come from where the table says,
 outputs match the cold run, the disk tier is where the default puts it.
 """
