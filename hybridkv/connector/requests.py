@@ -59,6 +59,8 @@ class RequestState:
     """Blocks ending within its first hashes were sent to be admitted."""
     engine_cached_tokens: int = 0
     """Tokens the engine's own cache held at its last lookup."""
+    planned_tokens: int = 0
+    """Where its last step's stores were planned up to (``StorePlanner.plan``)."""
 
     def hash_up_to(self, token_ids: Sequence[int], end: int) -> None:
         """Hash the request's tokens up to ``end`` (those not hashed yet)."""

@@ -6,7 +6,8 @@ group. ``lookup`` finds the longest hit every group can resume from, over
 every rank's tiers and the blocks still being stored; ``allocated`` turns it
 into per-group load transfers once the engine has allocated blocks;
 ``build_metadata`` adds, each step, the blocks of every group completed by
-that step's tokens (to store) and the blocks it writes (to fence); the
+that step's tokens, or the states the engine handed over for groups whose
+states move (to store), and the blocks it writes (to fence); the
 workers' results come back through ``process_report``. With
 ``Admission.REUSED`` it also names the stored blocks the slower tiers receive
 (``connector.admission``).
@@ -22,10 +23,10 @@ import logging
 from collections.abc import Sequence
 
 from hybridkv.connector.admission import DEFAULT_SEEN_HASHES, AdmissionTracker
+from hybridkv.connector.loads import plan_load
 from hybridkv.connector.lookup import KeyLookup
 from hybridkv.connector.metadata import (
     BlockRef,
-    BlockTransfer,
     ConnectorMetadata,
     LoadOutcome,
     LoadPlan,
@@ -39,10 +40,9 @@ from hybridkv.connector.search import HitSearch
 from hybridkv.connector.sightings import DEFAULT_SIGHTING_TTL_S, MarksSightings, PoolSightings
 from hybridkv.connector.sources import hit_sources
 from hybridkv.connector.stats import SchedulerStats
-from hybridkv.connector.steps import LookupResult, ScheduledRequest, StepInput
-from hybridkv.connector.stores import StorePlanner, make_transfer
+from hybridkv.connector.steps import LookupResult, ScheduledRequest, StateHandoff, StepInput
+from hybridkv.connector.stores import StorePlanner
 from hybridkv.groups import ModelGroups
-from hybridkv.groups.kinds import rules_for
 from hybridkv.hits import Hit, drafting_groups
 from hybridkv.keys import BlockHash, HashAlgo, RequestBlockHasher
 from hybridkv.tiers.admission import Admission
@@ -75,6 +75,7 @@ class ConnectorScheduler:
         admission_seen_hashes: int = DEFAULT_SEEN_HASHES,
         sighting_tier: MarksSightings | None = None,
         sighting_ttl_s: int = DEFAULT_SIGHTING_TTL_S,
+        handoff_group_ids: frozenset[int] = frozenset(),
     ) -> None:
         if lookup.num_ranks != tp_size:
             raise ValueError(f"the lookup answers for {lookup.num_ranks} ranks, not {tp_size}")
@@ -99,7 +100,9 @@ class ConnectorScheduler:
         self._loads: list[LoadPlan] = []
         self._cancelled: set[str] = set()
         drafting = drafting_groups(model_groups.groups, use_eagle, eagle_group_ids)
-        self.stores = StorePlanner(model_groups, self.builders[0], tp_size, drafting)
+        self.stores = StorePlanner(
+            model_groups, self.builders[0], tp_size, drafting, handoff_group_ids
+        )
         sightings = PoolSightings.over(sighting_tier, self.builders[0], sighting_ttl_s, self.stats)
         self.admission = AdmissionTracker.if_needed(
             admission,
@@ -211,8 +214,8 @@ class ConnectorScheduler:
             if st is not None:
                 st.hit = None
             return
-        base, hit = st.hit_base_tokens, st.hit
-        plan = self._plan_load(req_id, st, block_ids, base, base + num_external_tokens, hit)
+        target = st.hit_base_tokens + num_external_tokens
+        plan = plan_load(self.model_groups, self.builders[0], req_id, st, block_ids, target)
         st.hit, st.load, st.load_results = None, plan, {}
         self._loads.append(plan)
         if plan.planned:
@@ -221,58 +224,6 @@ class ConnectorScheduler:
                 self.admission.loaded(st, plan.num_tokens)
         else:
             self.stats.loads_unplanned += 1
-
-    def _plan_load(
-        self,
-        req_id: str,
-        st: RequestState,
-        block_ids: Sequence[Sequence[int]],
-        base: int,
-        target: int,
-        hit: Hit | None,
-    ) -> LoadPlan:
-        unplanned = LoadPlan(
-            req_id=req_id, num_tokens=target, base_tokens=base, transfers=(), planned=False
-        )
-        if (
-            hit is None
-            or hit.num_tokens != target
-            or len(block_ids) != self.model_groups.num_groups
-        ):
-            logger.warning(
-                "request %s: the engine asked to load up to token %d but the lookup found %s; "
-                "recomputing instead",
-                req_id,
-                target,
-                None if hit is None else hit.num_tokens,
-            )
-            return unplanned
-        transfers: list[BlockTransfer] = []
-        for group_id, group in enumerate(self.model_groups.groups):
-            ids = block_ids[group_id]
-            first = base // group.block_size  # the engine holds the blocks before
-            indices = [i for i in hit.blocks_to_load[group_id] if i >= first]
-            missing = [i for i in indices if i >= len(ids) or ids[i] == 0]
-            if missing and rules_for(group.kind).needs_every_block:
-                logger.warning(
-                    "request %s: group %d needs blocks %s the engine did not allocate; "
-                    "recomputing instead",
-                    req_id,
-                    group_id,
-                    missing,
-                )
-                return unplanned
-            kept = [i for i in indices if i not in missing]
-            if kept:
-                hashes = self.builders[0].block_hashes(group_id, st.hasher.block_hashes, kept)
-                transfers.append(make_transfer(group_id, hashes, [ids[i] for i in kept], kept))
-        return LoadPlan(
-            req_id=req_id,
-            num_tokens=target,
-            base_tokens=base,
-            transfers=tuple(transfers),
-            tier_index=st.hit_tier,
-        )
 
     # --- every step ------------------------------------------------------------
 
@@ -287,11 +238,18 @@ class ConnectorScheduler:
                     self._cancelled.add(req_id)
         stores: list[StorePlan] = []
         admitted: list[BlockRef] = []
+        handoffs = self._live_handoffs(step)
         for req in step.scheduled:
-            refs, plan = self._admits(req, self._plan_stores(req))
+            plan = self._plan_stores(req)
+            plan = self._with_handoffs(req.req_id, plan, handoffs.pop(req.req_id, ()))
+            refs, plan = self._admits(req, plan)
             if plan is not None:
                 stores.append(plan)
             admitted += refs
+        for req_id, states in handoffs.items():  # states of requests not scheduled
+            plan = self._with_handoffs(req_id, None, states)
+            if plan is not None:
+                stores.append(plan)
         meta = ConnectorMetadata(
             loads=tuple(self._loads),
             stores=tuple(stores),
@@ -311,6 +269,38 @@ class ConnectorScheduler:
             st.table.clear()
         st.table.append(req.new_block_ids)
         return self.stores.plan(st, req, self.alignment_tokens)
+
+    def _live_handoffs(self, step: StepInput) -> dict[str, Sequence[StateHandoff]]:
+        """The step's state hand-offs of requests still running. A request finished or
+        preempted gives its blocks back: another request may already write them."""
+        gone = step.finished_req_ids | step.preempted_req_ids
+        live: dict[str, Sequence[StateHandoff]] = {}
+        for req_id, states in step.state_handoffs.items():
+            self.stats.state_handoffs += len(states)
+            st = self._requests.get(req_id)
+            if req_id in gone or st is None or st.finished:
+                self.stats.state_handoffs_not_stored += len(states)
+            else:
+                live[req_id] = states
+        return live
+
+    def _with_handoffs(
+        self, req_id: str, plan: StorePlan | None, states: Sequence[StateHandoff]
+    ) -> StorePlan | None:
+        """``plan`` with the handed-over states of the request that a hit can read."""
+        if not states:
+            return plan
+        transfers, num_unused = self.stores.handoffs(
+            self._requests[req_id], states, self.alignment_tokens
+        )
+        self.stats.state_handoffs_not_stored += num_unused
+        if not transfers:
+            return plan
+        if plan is None:
+            return StorePlan(req_id=req_id, transfers=tuple(transfers))
+        return StorePlan(
+            req_id=req_id, transfers=(*plan.transfers, *transfers), refresh=plan.refresh
+        )
 
     def _admits(
         self, req: ScheduledRequest, plan: StorePlan | None

@@ -47,6 +47,9 @@ class EngineFacts:
     """The engine drafts with EAGLE/MTP: hits drop their last block as its own do."""
     eagle_group_ids: frozenset[int] = frozenset()
     """The groups that drop it (empty with ``use_eagle``: every group)."""
+    handoff_group_ids: frozenset[int] = frozenset()
+    """Groups whose states the engine hands over each step (``StateHandoff``): the only
+    states stored for them, since their blocks do not keep a state at their position."""
     engine_key: str = "engine"
     """Tells this engine's scheduler and workers apart from other engines' in a process
     (for an adapter that must find one side's objects from the other)."""
@@ -167,6 +170,7 @@ def build_scheduler(
         admission_seen_hashes=config.admission_seen_hashes,
         sighting_tier=sighting_tier(config, rank_tiers),
         sighting_ttl_s=config.admission_sighting_ttl_s,
+        handoff_group_ids=facts.handoff_group_ids,
     )
     publish_card(config, facts, scheduler.alignment_tokens)
     return scheduler, opened

@@ -27,6 +27,13 @@ class SchedulerStats:
     loads_unplanned: int = counter(
         "Loads the engine asked for but the connector could not plan (recomputed)"
     )
+    state_handoffs: int = counter(
+        "Recurrent states the engine handed over to store (Mamba groups whose states move)"
+    )
+    state_handoffs_not_stored: int = counter(
+        "Of those, states not stored: their request finished or was preempted in the step, "
+        "or no hit can read them (off the hit alignment)"
+    )
     pool_sightings: int = counter(
         "Block hashes first seen by this engine and marked in the shared pool (admission reused)"
     )

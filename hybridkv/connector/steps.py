@@ -6,8 +6,8 @@ fills these from its own request and scheduler-output types.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hybridkv.groups import GroupKind, ModelGroups
@@ -36,10 +36,27 @@ class ScheduledRequest:
     """True when ``new_block_ids`` is the request's whole table (new or resumed)."""
 
 
+class StateHandoff(NamedTuple):
+    """A recurrent state the engine hands over to store: the one after ``num_tokens``
+    tokens of a request, held in its block ``block_id`` of group ``group_id``.
+
+    Engines whose state blocks move (speculative columns, prefill checkpoints)
+    name each committed state this way instead of leaving it at its position.
+    """
+
+    group_id: int
+    block_id: int
+    num_tokens: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepInput:
     scheduled: Sequence[ScheduledRequest] = ()
     preempted_req_ids: frozenset[str] = frozenset()
+    finished_req_ids: frozenset[str] = frozenset()
+    """Requests the engine finished since the last step (their blocks are free)."""
+    state_handoffs: Mapping[str, Sequence[StateHandoff]] = field(default_factory=dict)
+    """Per request, the states this step hands over (groups the engine hands over)."""
 
     def written_block_ids(self, model_groups: ModelGroups) -> tuple[int, ...]:
         """The blocks this step's forward pass may write, in any group: those handed to

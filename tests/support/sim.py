@@ -104,18 +104,19 @@ def token_kv(tokens: Sequence[int], position: int, layer: str) -> torch.Tensor:
 
 
 def next_state(state: bytes, tokens: Sequence[int], layer: str) -> bytes:
-    """The recurrent state after ``tokens``, one token at a time (chunking-invariant)."""
+    """The recurrent state after ``tokens``, one token at a time (chunking-invariant);
+    as many bytes as ``state``."""
     for token in tokens:
         seed = _digest(state, str(token).encode(), layer.encode())
-        state = (
-            np.random.default_rng(seed).integers(-128, 128, MAMBA_STATE_BYTES, np.int8).tobytes()
-        )
+        state = np.random.default_rng(seed).integers(-128, 128, len(state), np.int8).tobytes()
     return state
 
 
-def expected_state(tokens: Sequence[int], num_tokens: int, layer: str) -> bytes:
+def expected_state(
+    tokens: Sequence[int], num_tokens: int, layer: str, state_bytes: int = MAMBA_STATE_BYTES
+) -> bytes:
     """A cold run's state after the first ``num_tokens`` tokens."""
-    return next_state(bytes(MAMBA_STATE_BYTES), tokens[:num_tokens], layer)
+    return next_state(bytes(state_bytes), tokens[:num_tokens], layer)
 
 
 @dataclass

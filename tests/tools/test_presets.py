@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
 from vllm.v1.core.kv_cache_utils import _get_kv_cache_groups_uniform_page_size
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -19,17 +23,26 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hybridkv.groups import GroupKind, ModelGroups
-from hybridkv.tools.presets import (
-    PRESETS,
-    QWEN3_NEXT_STATE_BYTES,
+from hybridkv.tools.mamba2_presets import (
+    GRANITE_4_0_H_TINY_STATE_BYTES,
+    NEMOTRON_NANO_9B_V2_PATTERN,
+    NEMOTRON_NANO_9B_V2_STATE_BYTES,
+    granite_4_0_h_tiny,
+    nemotron_nano_9b_v2,
+)
+from hybridkv.tools.preset_groups import (
     LayerKV,
     attention_block_size_for_state,
     attention_page_size_bytes,
+    group_layers_like_vllm,
+)
+from hybridkv.tools.presets import (
+    PRESETS,
+    QWEN3_NEXT_STATE_BYTES,
     deepseek_v4_flash,
     deepseek_v4_pro,
     gemma3_27b,
     gpt_oss_20b,
-    group_layers_like_vllm,
     load_groups,
     qwen3_next_80b_a3b,
 )
@@ -64,6 +77,8 @@ def test_preset_names() -> None:
         "deepseek-v4-pro",
         "gemma3-27b",
         "gpt-oss-20b",
+        "granite-4.0-h-tiny",
+        "nemotron-nano-9b-v2",
         "qwen3-next-80b-a3b",
     ]
     for name, build in PRESETS.items():
@@ -301,3 +316,82 @@ def test_load_layout_bad_files_name_the_file_and_problem(
         load_groups(path)
     assert str(path) in str(info.value)
     assert fragment in str(info.value)
+
+
+# ---------------------------------------------------------------- Mamba2 + attention
+
+
+def mamba2_spec(num_heads: int, head_dim: int, n_groups: int, block_size: int) -> MambaSpec:
+    """A Mamba2 layer's state with vLLM's shapes and dtypes (bf16 model, cache dtypes
+    "auto"), unpadded."""
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(
+        tp_world_size=1,
+        intermediate_size=num_heads * head_dim,
+        n_groups=n_groups,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        state_size=128,
+        conv_kernel=4,
+    )
+    dtypes = MambaStateDtypeCalculator.mamba2_state_dtype(BF16, "auto", "auto")
+    return MambaSpec(shapes=shapes, dtypes=dtypes, block_size=block_size)
+
+
+def padded(spec: MambaSpec, page: int) -> MambaSpec:
+    """As ``MambaMixer2.get_kv_cache_spec`` declares it with prefix caching: padded to the
+    attention page, "align" mode, one prefill checkpoint block."""
+    return replace(
+        spec,
+        page_size_padded=page,
+        mamba_cache_mode="align",
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=1,
+    )
+
+
+def smallest_block(state_bytes: int, per_token: int) -> int:
+    """vLLM's rule by brute force: the first multiple of 16 whose page holds the state."""
+    return next(bs for bs in range(16, 100_000, 16) if bs * per_token >= state_bytes)
+
+
+def test_granite_4_0_h_tiny_matches_vllm() -> None:
+    state = mamba2_spec(num_heads=48, head_dim=64, n_groups=1, block_size=400)
+    assert state.page_size_bytes == GRANITE_4_0_H_TINY_STATE_BYTES == 806_400
+    attention = FullAttentionSpec(block_size=400, num_kv_heads=4, head_size=128, dtype=BF16)
+    assert smallest_block(state.page_size_bytes, attention.page_size_bytes // 400) == 400
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(40):
+        if i in (5, 15, 25, 35):
+            specs[f"model.layers.{i}.self_attn.attn"] = attention
+        else:
+            specs[f"model.layers.{i}.mixer"] = padded(state, attention.page_size_bytes)
+    model_groups = granite_4_0_h_tiny()
+    assert ours(model_groups) == vllm_groups(specs)
+    assert [(g.kind, g.num_layers) for g in model_groups.groups] == [
+        *[(GroupKind.MAMBA, 4)] * 9,
+        (GroupKind.FULL, 4),
+    ]
+    assert model_groups.groups[0].page_size_bytes == 819_200
+    assert model_groups.scheduler_block_size == 400
+
+
+def test_nemotron_nano_9b_v2_matches_vllm() -> None:
+    state = mamba2_spec(num_heads=128, head_dim=80, n_groups=8, block_size=672)
+    assert state.page_size_bytes == NEMOTRON_NANO_9B_V2_STATE_BYTES == 2_695_168
+    attention = FullAttentionSpec(block_size=672, num_kv_heads=8, head_size=128, dtype=BF16)
+    assert smallest_block(state.page_size_bytes, attention.page_size_bytes // 672) == 672
+    specs: dict[str, KVCacheSpec] = {}
+    for i, kind in enumerate(NEMOTRON_NANO_9B_V2_PATTERN):
+        if kind == "M":
+            specs[f"model.layers.{i}.mixer"] = padded(state, attention.page_size_bytes)
+        elif kind == "*":
+            specs[f"model.layers.{i}.mixer.attn"] = attention
+    assert (len(NEMOTRON_NANO_9B_V2_PATTERN), len(specs)) == (56, 31)
+    model_groups = nemotron_nano_9b_v2()
+    assert ours(model_groups) == vllm_groups(specs)
+    assert [(g.kind, g.num_layers) for g in model_groups.groups] == [
+        *[(GroupKind.MAMBA, 4)] * 6,
+        (GroupKind.MAMBA, 3),
+        (GroupKind.FULL, 4),
+    ]
+    assert model_groups.groups[-1].page_size_bytes == 2_752_512

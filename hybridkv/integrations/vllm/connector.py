@@ -197,7 +197,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, VllmMetadata):
-            self._worker.cancel(kv_connector_metadata.meta.cancelled_req_ids)
+            meta = kv_connector_metadata.meta
+            self._worker.cancel(meta.cancelled_req_ids)
+            # vLLM calls this before it zeroes the step's new blocks (every model with a
+            # Mamba layer zeroes them): a store still copying one out must end first.
+            self._worker.fence(meta.written_block_ids)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is not None:

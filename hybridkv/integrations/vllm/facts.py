@@ -98,9 +98,11 @@ def _group_problems(group_id: int, group: Any, mamba_mode: str | None) -> list[s
     modes = {s.mamba_cache_mode for s in specs.values() if isinstance(s, MambaSpec)}
     if modes - {"align"}:
         problems.append(
-            f"{where}: Mamba cache mode is {sorted(modes - {'align'})[0]!r}; hybridkv needs "
-            "'align': enable prefix caching (with it off vLLM uses 'none' whatever "
-            f"--mamba-cache-mode says; engine setting: {mamba_mode!r})"
+            f"{where}: Mamba cache mode is {sorted(modes - {'align'})[0]!r}; of vLLM's two "
+            "modes ('align', 'none') hybridkv needs 'align', where states are kept at block "
+            "boundaries and handed to connectors: enable prefix caching and leave "
+            "--mamba-cache-mode unset or 'align' (with prefix caching off vLLM uses 'none' "
+            f"whatever it says; engine setting: {mamba_mode!r})"
         )
     if getattr(group, "host_resident", False) or not getattr(group, "enable_kv_transfer", True):
         problems.append(f"{where}: host-resident or non-transferable groups are not supported")
@@ -130,19 +132,48 @@ def check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
         problems.append(
             f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported; use 1"
         )
-    mamba_specs = [s for g in groups for s in _layer_specs(g).values() if isinstance(s, MambaSpec)]
-    if mamba_specs and (
-        getattr(vllm_config, "speculative_config", None) is not None
-        or any(s.num_speculative_blocks or s.num_prefill_checkpoint_blocks for s in mamba_specs)
-    ):
-        problems.append(
-            "speculative decoding with Mamba groups is not supported (a state that "
-            "rejected draft tokens moved cannot be stored per block); disable it"
-        )
+    problems += _partial_hit_problems(kv_cache_config)
     if problems:
         raise ValueError(
             "hybridkv cannot serve this engine:\n" + "\n".join(f"  - {p}" for p in problems)
         )
+
+
+def _partial_hit_problems(kv_cache_config: Any) -> list[str]:
+    """Hits inside a Mamba block: with ``prefix_match_unit`` below the Mamba block
+    size, vLLM resumes a request at a hash block inside a Mamba block from a state
+    copied out of it (a partial tail); hybridkv keys and loads whole blocks."""
+    alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
+    if not alignment:
+        return []
+    return [
+        f"KV cache group {group_id} (Mamba, block_size={spec.block_size}): vLLM's prefix-cache "
+        f"hits land every {alignment} tokens (its hash block size), inside the group's "
+        "blocks, resuming from a state copied out of a block (a partial tail); hybridkv "
+        "stores and loads whole Mamba blocks only: unset --prefix-match-unit or set it to "
+        f"{spec.block_size}, so hits land on block boundaries"
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
+        for spec in list(_layer_specs(group).values())[:1]
+        if isinstance(spec, MambaSpec) and spec.block_size > alignment
+    ]
+
+
+def handoff_groups(kv_cache_config: Any) -> frozenset[int]:
+    """The Mamba groups whose blocks do not keep a state at their position: with
+    speculative blocks (the running state moves between the last ``1 +
+    num_speculative_blocks`` columns) or prefill checkpoints (a state exported into
+    a reserved column mid-step). Their states are stored as vLLM 0.32 hands them
+    over by block id ("align" mode, ``SchedulerOutput.kv_connector_block_state``);
+    other Mamba groups keep each step's state at its block, stored from there."""
+    return frozenset(
+        group_id
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
+        if any(
+            isinstance(spec, MambaSpec)
+            and (spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks)
+            for spec in _layer_specs(group).values()
+        )
+    )
 
 
 def page_size_bytes(spec: Any) -> int:
@@ -212,6 +243,7 @@ def engine_facts(
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         use_eagle=use_eagle,
         eagle_group_ids=eagle_groups,
+        handoff_group_ids=handoff_groups(kv_cache_config),
         engine_key=engine_key,
     )
 

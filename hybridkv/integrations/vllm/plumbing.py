@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hybridkv.connector.metadata import ConnectorMetadata, WorkerReport
-from hybridkv.connector.steps import ScheduledRequest, StepInput
+from hybridkv.connector.steps import ScheduledRequest, StateHandoff, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,29 @@ def step_input(scheduler_output: Any, requests: Mapping[str, Any]) -> StepInput:
             )
         )
     preempted = frozenset(scheduler_output.preempted_req_ids or ())
-    return StepInput(scheduled=tuple(scheduled), preempted_req_ids=preempted)
+    return StepInput(
+        scheduled=tuple(scheduled),
+        preempted_req_ids=preempted,
+        finished_req_ids=frozenset(scheduler_output.finished_req_ids or ()),
+        state_handoffs=state_handoffs(scheduler_output),
+    )
+
+
+def state_handoffs(scheduler_output: Any) -> dict[str, tuple[StateHandoff, ...]]:
+    """The Mamba states vLLM hands connectors this step ("align" mode), by request.
+
+    vLLM moves a request's running state between the last ``1 +
+    num_speculative_blocks`` columns and exports prefill checkpoints into
+    reserved ones, so a state block is named by id, never by position:
+    ``boundary_state_offloads`` lists each committed boundary state as (group,
+    block id, tokens). Steps without it (no Mamba group) hand over nothing.
+    """
+    block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+    offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+    return {
+        req_id: tuple(StateHandoff(int(g), int(b), int(n)) for g, b, n in entries)
+        for req_id, entries in offloads.items()
+    }
 
 
 def _block_ids(groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:

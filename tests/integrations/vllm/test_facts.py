@@ -22,7 +22,12 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from hybridkv.groups import GroupKind
-from hybridkv.integrations.vllm.facts import check_engine, eagle_drafting, groups_from_config
+from hybridkv.integrations.vllm.facts import (
+    check_engine,
+    eagle_drafting,
+    groups_from_config,
+    handoff_groups,
+)
 
 GDN_SHAPES = ((3, 384), (1, 128, 128))
 
@@ -89,9 +94,40 @@ def test_everything_we_cannot_serve_is_refused_in_one_error() -> None:
     message = str(info.value)
     assert "group 0" in message and "cross-attention" in message
     assert "group 1" in message and "'none'" in message and "align" in message
-    assert "speculative decoding with Mamba groups" in message
+    assert "'all'" not in message  # vLLM 0.32's modes are 'align' and 'none'
+    # Speculative blocks are served (the states come as vLLM's hand-offs).
+    assert "speculative" not in message
     assert "group 2" not in message and "group 3" not in message
     assert "dcp=2" in message and "pipeline_parallel_size=2" in message
+
+
+def test_mamba2_checkpoints_speculative_blocks_and_kda_alignment_are_served() -> None:
+    """Mamba2 sets one prefill checkpoint block (``MambaMixer2.get_kv_cache_spec``),
+    KDA a checkpoint alignment, speculative decoding speculative blocks: those groups'
+    states come by block id; a gated delta net's without either stay at their blocks."""
+    config = kv_config(
+        mamba(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1),
+        mamba(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=16),
+        mamba(num_speculative_blocks=2),
+        mamba(),
+        attention(FullAttentionSpec),
+    )
+    check_engine(engine_config(), config)
+    assert handoff_groups(config) == frozenset({0, 1, 2})
+
+
+def test_hits_inside_a_mamba_block_are_refused_with_the_fix() -> None:
+    """A hash block below the Mamba block (``--prefix-match-unit``) lets vLLM resume
+    inside a Mamba block from a copied partial tail; refused, naming the setting."""
+    config = kv_config(mamba(), attention(FullAttentionSpec))
+    config.hash_block_size = config.cache_hit_alignment_tokens = 16
+    with pytest.raises(ValueError) as info:
+        check_engine(engine_config(), config)
+    message = str(info.value)
+    assert "group 0" in message and "block_size=32" in message and "every 16 tokens" in message
+    assert "--prefix-match-unit" in message and "32" in message
+    config.hash_block_size = config.cache_hit_alignment_tokens = 32
+    check_engine(engine_config(), config)
 
 
 def test_without_speculative_decoding_no_block_is_dropped() -> None:
