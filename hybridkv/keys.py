@@ -19,10 +19,12 @@ Encoding of one hash block (``hash_block_size`` tokens), version 1::
 * ``digest``: xxh3-128 (16 bytes, xxhash's canonical big-endian digest, seed 0)
   or SHA-256 (32 bytes).
 
-A store key names the namespace (model, groups fingerprint, tensor-parallel
-rank), the group and the hash of the group block's last hash block:
-``{model}|{fingerprint}|tp{rank}of{size}|g{group_id}|{hash_hex}``. Keys are
-ASCII without spaces, usable as Redis/Mooncake keys.
+A store key names the namespace (model, groups fingerprint, the rank's label),
+the group and the hash of the group block's last hash block:
+``{model}|{fingerprint}|tp{rank}of{size}|g{group_id}|{hash_hex}``, with
+``pp{stage}of{stages}-`` before ``tp`` under pipeline parallel (where the
+fingerprint is that of the stage's own layers). Keys are ASCII without spaces,
+usable as Redis/Mooncake keys.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from pydantic import AfterValidator, StrictStr
 from hybridkv.groups import ModelGroups
 from hybridkv.schema import NonEmptyStr, NonNegativeInt, PositiveInt, check_fields
 from hybridkv.tiers.base import StoreKey
+from hybridkv.tiers.ranks import WorkerRank
 
 BlockHash = NewType("BlockHash", bytes)
 """Digest of one hash block chained over every block before it."""
@@ -212,34 +215,66 @@ def _lowercase_hex(text: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class KeyNamespace:
-    """What keeps keys of another model, other groups or another tensor-parallel rank apart."""
+    """What keeps keys of another model, other groups or another rank apart."""
 
     model_id: NonEmptyStr
     groups_fingerprint: Annotated[StrictStr, AfterValidator(_lowercase_hex)]
     tp_rank: NonNegativeInt = 0
     tp_size: PositiveInt = 1
+    pp_rank: NonNegativeInt = 0
+    pp_size: PositiveInt = 1
+    """The pipeline stage: each stage holds other layers, so other blocks."""
 
     def __post_init__(self) -> None:
         problems = check_fields(self)
-        if problems.valid("tp_rank", "tp_size") and self.tp_rank >= self.tp_size:
-            problems.add([f"tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})"])
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            if problems.valid(rank, size) and getattr(self, rank) >= getattr(self, size):
+                problems.add(
+                    [f"{rank}={getattr(self, rank)} must be in [0, {size}={getattr(self, size)})"]
+                )
         problems.raise_if_any()
 
     @classmethod
     def for_groups(
-        cls, model_groups: ModelGroups, *, tp_rank: int = 0, tp_size: int = 1
+        cls,
+        model_groups: ModelGroups,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
     ) -> KeyNamespace:
+        """The namespace of one rank holding ``model_groups`` (under pipeline parallel,
+        its stage's layers)."""
         return cls(
             model_id=model_groups.model_id,
             groups_fingerprint=model_groups.fingerprint,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+        )
+
+    @classmethod
+    def for_rank(cls, model_groups: ModelGroups, rank: WorkerRank) -> KeyNamespace:
+        return cls.for_groups(
+            model_groups,
+            tp_rank=rank.tp_rank,
+            tp_size=rank.tp_size,
+            pp_rank=rank.pp_rank,
+            pp_size=rank.pp_size,
+        )
+
+    @property
+    def rank(self) -> WorkerRank:
+        return WorkerRank(
+            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size
         )
 
     @property
     def prefix(self) -> str:
         model = sanitize_model_id(self.model_id)
-        return f"{model}|{self.groups_fingerprint}|tp{self.tp_rank}of{self.tp_size}"
+        return f"{model}|{self.groups_fingerprint}|{self.rank.label}"
 
 
 class KeyBuilder:

@@ -36,6 +36,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hybridkv.groups import GroupKind, KVGroup
 from hybridkv.hits import Hit, find_longest_hit
+from hybridkv.integrations.vllm.facts import groups_from_config
 from hybridkv.tools.presets import deepseek_v4_flash, deepseek_v4_pro
 from tests.support.hits import (
     chunked,
@@ -87,6 +88,7 @@ def vllm_hit(
     use_eagle: bool,
     eagle_groups: frozenset[int] = frozenset(),
     make_spec: Callable[[KVGroup], KVCacheSpec] = vllm_spec,
+    dcp_world_size: int = 1,
 ) -> Hit:
     """vLLM's answer: the engine's coordinator over a BlockPool caching ``stored``.
 
@@ -112,7 +114,7 @@ def vllm_hit(
         use_eagle=use_eagle,
         enable_caching=True,
         enable_kv_cache_events=False,
-        dcp_world_size=1,
+        dcp_world_size=dcp_world_size,
         pcp_world_size=1,
         scheduler_block_size=alignment_tokens,
         hash_block_size=hash_block_size,
@@ -418,3 +420,73 @@ def test_deepseek_v4_layouts_match_vllm() -> None:
         seen["hits"] += got.num_tokens > 0
         seen["eagle"] += use_eagle
     assert min(seen.values()) > 40, seen
+
+
+def _dcp_specs(rng: random.Random) -> list[KVCacheSpec]:
+    """Full attention (sharded by DCP) and Mamba (replicated) groups, as vLLM declares
+    them: each spec's block size is a rank's physical block."""
+    attention_size = rng.choice([1, 2, 4, 8])
+    specs: list[KVCacheSpec] = [
+        FullAttentionSpec(block_size=attention_size, num_kv_heads=1, head_size=1, dtype=torch.int8)
+    ]
+    for _ in range(rng.randint(1, 2)):
+        specs.append(
+            MambaSpec(
+                block_size=attention_size * rng.choice([1, 2, 4]),
+                shapes=((1,),),
+                dtypes=(torch.int8,),
+                mamba_cache_mode="align",
+            )
+        )
+    if rng.random() < 0.3:
+        specs.append(specs[0])  # a second full-attention group
+    rng.shuffle(specs)
+    return specs
+
+
+@pytest.mark.parametrize("dcp", [2, 4])
+def test_decode_context_parallel_hits_match_vllms_coordinator(dcp: int) -> None:
+    """With decode context parallel a full-attention block spans ``block_size * dcp``
+    tokens (each rank holds its share in a block of ``block_size``) and a Mamba block
+    its own ``block_size``: the groups hybridkv reads from the engine's config take
+    those spans, and their hits equal vLLM's coordinator's (``dcp_world_size``) over
+    the same stores."""
+    rng = random.Random(0xDC9 + dcp)
+    counts = {"cases": 0, "hits": 0, "eagle": 0}
+    for _ in range(1500):
+        specs = _dcp_specs(rng)
+        spans = [s.block_size * (dcp if s.dcp_sharded else 1) for s in specs]
+        hash_block_size = rng.choice([d for d in range(1, min(spans) + 1) if min(spans) % d == 0])
+        hash_block_size = math.gcd(hash_block_size, *spans)
+        config = KVCacheConfig(
+            num_blocks=1,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec([f"l.{i}"], s) for i, s in enumerate(specs)],
+            hash_block_size=hash_block_size,
+        )
+        groups = list(groups_from_config(config, "m", dcp).groups)
+        assert [g.block_size for g in groups] == spans
+        use_eagle = rng.random() < 0.3
+        max_hit_tokens = rng.randint(0, 300)
+        stored = random_stores(rng, groups, max_hit_tokens, STORE_STYLES)
+        expected = vllm_hit(
+            groups,
+            stored,
+            max_hit_tokens,
+            math.lcm(*spans),
+            hash_block_size,
+            use_eagle,
+            make_spec=lambda g: specs[groups.index(g)],  # noqa: B023
+            dcp_world_size=dcp,
+        )
+        got = find_longest_hit(
+            groups,
+            max_hit_tokens,
+            lambda g, ids: [i in stored[g] for i in ids],  # noqa: B023
+            use_eagle=use_eagle,
+        )
+        assert got == expected, (specs, stored, max_hit_tokens, hash_block_size, use_eagle)
+        counts["cases"] += 1
+        counts["hits"] += got.num_tokens > 0
+        counts["eagle"] += use_eagle and got.num_tokens > 0
+    assert counts["hits"] > 500 and counts["eagle"] > 100, counts

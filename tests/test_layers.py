@@ -6,13 +6,17 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hybridkv"
-MAX_MODULE_LINES = 420
+LARGE_MODULE_LINES = 500
+"""Past this a module gets a warning: look whether it holds more than one concept."""
+MAX_MODULE_LINES = 1200
+"""Past this a module is refused: no single concept of this package needs that much."""
 
 LAYERS: dict[str, int] = {
     "hybridkv.paths": 0,
@@ -102,12 +106,19 @@ def test_engine_neutral_layers_never_import_an_engine() -> None:
 
 
 def test_modules_stay_small() -> None:
+    """Modules are split by concept, not by a count: a large one is a warning to read it
+    again, and only a size no concept here needs fails."""
     sizes = {
         str(path.relative_to(ROOT)): len(path.read_text().splitlines())
         for path in _modules().values()
     }
-    large = {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES}
-    assert not large, f"modules over {MAX_MODULE_LINES} lines: {large}"
+    large = {path: n for path, n in sizes.items() if n > LARGE_MODULE_LINES}
+    if large:
+        warnings.warn(
+            f"modules over {LARGE_MODULE_LINES} lines (one concept each?): {large}", stacklevel=1
+        )
+    too_large = {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not too_large, f"modules over {MAX_MODULE_LINES} lines: {too_large}"
 
 
 def test_modules_that_compile_with_numba_import_native() -> None:

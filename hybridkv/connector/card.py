@@ -2,11 +2,12 @@
 
 Written by the scheduler process when it starts (``engine_card`` in the connector's
 config); read by ``hybridkv route`` in any process that can open the card. It holds
-the engine's groups, hit alignment, hash settings, drafting, tensor parallelism,
-tier selection and tier configs: with them another process names the engine's
-blocks exactly as its scheduler does and opens lookup-only instances of the tiers
-it can see. Tier configs are written as given, secrets included (a Valkey
-password), so the file is created readable by its owner only.
+the engine's groups, hit alignment, hash settings, drafting, tensor and pipeline
+parallelism (each stage's groups), tier selection and tier configs: with them
+another process names the engine's blocks exactly as its scheduler does and
+opens lookup-only instances of the tiers it can see. Tier configs are written as
+given, secrets included (a Valkey password), so the file is created readable by
+its owner only.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ class EngineCard:
     alignment_tokens: Annotated[PositiveInt, Field(description="hits land on multiples of this")]
     hash_algo: Annotated[HashAlgo, Field(description="block hash")]
     tp_size: Annotated[PositiveInt, Field(description="tensor-parallel ranks")] = 1
+    engine_group_ids: Annotated[
+        tuple[NonNegativeInt, ...],
+        Field(description="the engine's id of each group (in its events); empty: its place"),
+    ] = ()
+    stage_groups: Annotated[
+        tuple[ModelGroups, ...],
+        Field(description="each pipeline stage's groups (its layers); empty: no stages"),
+    ] = ()
     use_eagle: Annotated[StrictBool, Field(description="hits drop a block for drafting")] = False
     eagle_group_ids: Annotated[
         tuple[NonNegativeInt, ...], Field(description="groups that drop it; empty: every group")
@@ -71,6 +80,8 @@ class EngineCard:
             "alignment_tokens": self.alignment_tokens,
             "hash_algo": self.hash_algo.value,
             "tp_size": self.tp_size,
+            "engine_group_ids": list(self.engine_group_ids),
+            "stage_groups": [groups.to_dict() for groups in self.stage_groups],
             "use_eagle": self.use_eagle,
             "eagle_group_ids": sorted(self.eagle_group_ids),
             "selection": self.selection.value,
@@ -101,6 +112,8 @@ def card_for(config: ConnectorConfig, facts: EngineFacts, alignment_tokens: int)
         alignment_tokens=alignment_tokens,
         hash_algo=config.hash_algo,
         tp_size=facts.tp_size,
+        engine_group_ids=facts.engine_group_ids,
+        stage_groups=facts.stage_groups,
         use_eagle=facts.use_eagle,
         eagle_group_ids=tuple(sorted(facts.eagle_group_ids)),
         selection=config.selection,

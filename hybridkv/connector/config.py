@@ -23,6 +23,7 @@ from hybridkv.schema import CONFIG, ByteSize, Number, UserPath, parse
 from hybridkv.tiers.admission import Admission
 from hybridkv.tiers.cpu import CpuConfig
 from hybridkv.tiers.disk.config import DiskConfig
+from hybridkv.tiers.ranks import WorkerRank
 from hybridkv.tiers.registry import TierConfig
 from hybridkv.tiers.selection import Selection
 
@@ -210,6 +211,6 @@ class ConnectorConfig:
             ),
         )
 
-    def for_rank(self, tp_rank: int, tp_size: int) -> tuple[TierConfig, ...]:
-        """Tensor-parallel rank ``tp_rank``'s own tiers (its own disk directory)."""
-        return tuple(t.for_rank(tp_rank, tp_size) for t in self.tier_configs)
+    def for_rank(self, rank: WorkerRank) -> tuple[TierConfig, ...]:
+        """``rank``'s own tiers (its own disk directory)."""
+        return tuple(t.for_rank(rank) for t in self.tier_configs)

@@ -3,8 +3,8 @@
 Scheduler process; engine-neutral (an engine adapter names the blocks in its
 own event format). The workers report what each of their tiers stored and
 removed (``RankReport.tier_changes``); a block is loadable from a tier only when
-every tensor-parallel rank holds its part there, so it is announced stored when
-the last rank reports it and removed when the first rank loses it. Each removal
+every rank with layers of its group holds its part there, so it is announced
+stored when the last of them reports it and removed when the first loses it. Each removal
 follows the announcement of the same block on the same tier.
 
 Bounded: at most ``max_blocks`` (tier, block) pairs are followed, least recently
@@ -15,6 +15,7 @@ then under-counts, never over-counts).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from hybridkv.connector.metadata import BlockRef, TierChange, WorkerReport
@@ -64,18 +65,30 @@ class TierEvent(NamedTuple):
 class TierEvents:
     """Turns the ranks' tier changes into events every rank agrees on."""
 
-    def __init__(self, tp_size: int = 1, *, max_blocks: int = MAX_BLOCKS) -> None:
-        if tp_size < 1 or max_blocks < 1:
-            raise ValueError(f"tp_size={tp_size} and max_blocks={max_blocks} must be >= 1")
+    def __init__(
+        self,
+        num_ranks: int = 1,
+        *,
+        holders: Sequence[Sequence[int]] | None = None,
+        max_blocks: int = MAX_BLOCKS,
+    ) -> None:
+        """``holders``: per group, the ranks with its layers (``EngineRanks.holders``);
+        None: every rank holds every group."""
+        if num_ranks < 1 or max_blocks < 1:
+            raise ValueError(f"num_ranks={num_ranks} and max_blocks={max_blocks} must be >= 1")
         self.max_blocks = max_blocks
-        self._all_ranks = (1 << tp_size) - 1
+        self._every_rank = (1 << num_ranks) - 1
+        self._group_ranks = (
+            None if holders is None else tuple(sum(1 << r for r in ranks) for ranks in holders)
+        )
+        """Per group, the ranks that hold its blocks, one bit each."""
         self._held: OrderedDict[tuple[int, BlockRef], int] = OrderedDict()
         """(tier, block) -> the ranks holding it, one bit each."""
         self._events: list[TierEvent] = []
 
     def take_report(self, report: WorkerReport) -> None:
         for rank_report in report.ranks:
-            rank = 1 << rank_report.tp_rank
+            rank = 1 << rank_report.rank
             for change in rank_report.tier_changes:
                 self._change(rank, change)
 
@@ -98,15 +111,19 @@ class TierEvents:
             self._held.move_to_end(slot)
         elif before:
             del self._held[slot]
-        if after == self._all_ranks != before:
+        everyone = self._holders(change.ref)
+        if after == everyone != before:
             self._events.append(TierEvent(change.tier_index, change.ref, True))
-        elif before == self._all_ranks != after:
+        elif before == everyone != after:
             self._events.append(TierEvent(change.tier_index, change.ref, False))
         while len(self._held) > self.max_blocks:
             (tier_index, ref), ranks = self._held.popitem(last=False)
-            if ranks == self._all_ranks:
+            if ranks == self._holders(ref):
                 self._events.append(TierEvent(tier_index, ref, False))
+
+    def _holders(self, ref: BlockRef) -> int:
+        return self._every_rank if self._group_ranks is None else self._group_ranks[ref.group_id]
 
     def check_integrity(self) -> None:
         assert len(self._held) <= self.max_blocks
-        assert all(0 < ranks <= self._all_ranks for ranks in self._held.values())
+        assert all(0 < ranks <= self._every_rank for ranks in self._held.values())

@@ -147,9 +147,11 @@ class LoadResult:
 
 @dataclass(frozen=True, kw_only=True)
 class RankReport:
-    """What one worker (tensor-parallel rank) finished since its last report."""
+    """What one worker (rank) finished since its last report."""
 
-    tp_rank: int
+    rank: int
+    """The rank's index (``WorkerRank.index``: stage by stage, tensor-parallel ranks
+    within)."""
     finished_loads: tuple[LoadResult, ...] = ()
     stored: tuple[BlockRef, ...] = ()
     """Blocks now held by this rank's tiers (stored, or already present)."""

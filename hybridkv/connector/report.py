@@ -15,7 +15,7 @@ from hybridkv.connector.metadata import BlockRef, LoadResult, RankReport, TierCh
 class ReportBuilder:
     """What this rank finished since its last report."""
 
-    tp_rank: int
+    rank: int
     finished_loads: list[LoadResult] = field(default_factory=list)
     stored: list[BlockRef] = field(default_factory=list)
     missing: list[BlockRef] = field(default_factory=list)
@@ -24,7 +24,7 @@ class ReportBuilder:
 
     def take(self) -> RankReport:
         report = RankReport(
-            tp_rank=self.tp_rank,
+            rank=self.rank,
             finished_loads=tuple(self.finished_loads),
             stored=tuple(self.stored),
             missing=tuple(self.missing),

@@ -35,6 +35,7 @@ from hybridkv.connector.metadata import (
     StorePlan,
     WorkerReport,
 )
+from hybridkv.connector.ranks import EngineRanks
 from hybridkv.connector.requests import GroupBlockTable, RequestState
 from hybridkv.connector.search import HitSearch
 from hybridkv.connector.sightings import DEFAULT_SIGHTING_TTL_S, MarksSightings, PoolSightings
@@ -68,7 +69,7 @@ class ConnectorScheduler:
         alignment_tokens: int | None = None,
         hash_algo: HashAlgo = HashAlgo.XXH3_128,
         selection: Selection = Selection.PER_BLOCK,
-        tp_size: int = 1,
+        ranks: EngineRanks | None = None,
         use_eagle: bool = False,
         eagle_group_ids: frozenset[int] | None = None,
         admission: Admission = Admission.ALL,
@@ -77,19 +78,19 @@ class ConnectorScheduler:
         sighting_ttl_s: int = DEFAULT_SIGHTING_TTL_S,
         handoff_group_ids: frozenset[int] = frozenset(),
     ) -> None:
-        if lookup.num_ranks != tp_size:
-            raise ValueError(f"the lookup answers for {lookup.num_ranks} ranks, not {tp_size}")
+        self.ranks = ranks or EngineRanks.uniform(model_groups)  # None: one rank
+        if lookup.num_ranks != self.ranks.world_size:
+            raise ValueError(f"the lookup answers for {lookup.num_ranks} ranks, not {ranks}")
         self.model_groups = model_groups
         self.lookup_view = lookup
         self.selection = selection
         self.alignment_tokens = alignment_tokens or model_groups.scheduler_block_size
         self.hash_algo = hash_algo
-        self.tp_size = tp_size
         self.use_eagle = use_eagle
         self.eagle_group_ids = eagle_group_ids
         self.hit_search = HitSearch(
             model_groups=model_groups,
-            tp_size=tp_size,
+            ranks=self.ranks,
             alignment_tokens=self.alignment_tokens,
             use_eagle=use_eagle,
             eagle_group_ids=eagle_group_ids,
@@ -101,7 +102,7 @@ class ConnectorScheduler:
         self._cancelled: set[str] = set()
         drafting = drafting_groups(model_groups.groups, use_eagle, eagle_group_ids)
         self.stores = StorePlanner(
-            model_groups, self.builders[0], tp_size, drafting, handoff_group_ids
+            model_groups, self.builders[0], self.ranks, drafting, handoff_group_ids
         )
         sightings = PoolSightings.over(sighting_tier, self.builders[0], sighting_ttl_s, self.stats)
         self.admission = AdmissionTracker.if_needed(
@@ -328,21 +329,21 @@ class ConnectorScheduler:
             self._process_rank(rank_report)
 
     def _process_rank(self, report: RankReport) -> None:
-        if not 0 <= report.tp_rank < self.tp_size:
-            raise ValueError(f"report of rank {report.tp_rank}; ranks are 0..{self.tp_size - 1}")
-        builder = self.builders[report.tp_rank]
+        if not 0 <= report.rank < self.ranks.world_size:
+            raise ValueError(f"report of rank {report.rank}; ranks are 0..{len(self.builders) - 1}")
+        builder = self.builders[report.rank]
         self.lookup_view.on_stored([builder.key(*ref) for ref in report.stored])
         self.lookup_view.on_missing([builder.key(*ref) for ref in report.missing])
         self.stores.take_report(report)
         for result in report.finished_loads:
-            self._finish_load(report.tp_rank, result)
+            self._finish_load(report.rank, result)
 
-    def _finish_load(self, tp_rank: int, result: LoadResult) -> None:
+    def _finish_load(self, rank: int, result: LoadResult) -> None:
         st = self._requests.get(result.req_id)
         if st is None or st.load is None:
             return
-        st.load_results[tp_rank] = result
-        if len(st.load_results) < self.tp_size:
+        st.load_results[rank] = result
+        if len(st.load_results) < self.ranks.world_size:
             return  # the other ranks are still loading
         plan, results = st.load, st.load_results
         st.load, st.load_results = None, {}
@@ -380,8 +381,7 @@ class ConnectorScheduler:
         st = self._requests.get(req_id)
         if st is None or st.load is None:
             return {}
-        stores, builder = self.stores, self.builders[0]
-        return hit_sources(st.load, self.lookup_view, self.model_groups, builder, stores.is_storing)
+        return hit_sources(st.load, self.lookup_view, self.hit_search, self.stores.is_storing)
 
     @property
     def num_requests(self) -> int:

@@ -3,7 +3,8 @@
 Scheduler process, and any process that answers lookups for an engine (``hybridkv
 route``). ``HitSearch`` holds what fixes an engine's answer (its groups, every rank's
 keys, its alignment and drafting) and asks a ``RankedLookup`` for the blocks
-``find_longest_hit`` needs: a block counts as stored only when every rank holds it.
+``find_longest_hit`` needs: a block counts as stored only when every rank holds it
+(every rank with layers of its group, ``EngineRanks.holders``).
 It only asks; what a caller does about missing blocks it does after.
 """
 
@@ -13,9 +14,10 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hybridkv.connector.ranks import EngineRanks
 from hybridkv.groups import ModelGroups
 from hybridkv.hits import Contains, Hit, find_longest_hit
-from hybridkv.keys import BlockHash, KeyBuilder, KeyNamespace
+from hybridkv.keys import BlockHash, KeyBuilder
 from hybridkv.tiers.base import StoreKey
 
 IsStoring = Callable[[int, BlockHash], bool]
@@ -35,7 +37,7 @@ class HitSearch:
     """The longest hit an engine can resume from, with its rules (see ``find_longest_hit``)."""
 
     model_groups: ModelGroups
-    tp_size: int = 1
+    ranks: EngineRanks
     alignment_tokens: int
     use_eagle: bool = False
     eagle_group_ids: Collection[int] | None = None
@@ -44,14 +46,7 @@ class HitSearch:
     """Every rank's store keys, built from the fields above."""
 
     def __post_init__(self) -> None:
-        builders = tuple(
-            KeyBuilder(
-                self.model_groups,
-                KeyNamespace.for_groups(self.model_groups, tp_rank=r, tp_size=self.tp_size),
-            )
-            for r in range(self.tp_size)
-        )
-        object.__setattr__(self, "builders", builders)
+        object.__setattr__(self, "builders", self.ranks.builders())
 
     def search(
         self,
@@ -81,10 +76,10 @@ class HitSearch:
                 for i, h in enumerate(hashes)
                 if not known[i] and (is_storing is None or not is_storing(group_id, h))
             ]
-            for rank, builder in enumerate(self.builders):  # stored: held by every rank
+            for rank in self.ranks.holders[group_id]:  # stored: held by every rank
                 if not todo:
                     break
-                keys = builder.keys_of(group_id, (hashes[i] for i in todo))
+                keys = self.builders[rank].keys_of(group_id, (hashes[i] for i in todo))
                 answers = lookup.contains_many(keys, rank=rank, tier_index=tier_index)
                 for i, hit in zip(todo, answers, strict=True):
                     found[i] = hit
@@ -105,7 +100,7 @@ class HitSearch:
         )
 
     def load_bytes(self, hit: Hit) -> int:
-        """Bytes one rank reads to load ``hit`` from nothing: every block it names, each
-        group's ``block_bytes``."""
-        groups = self.model_groups.groups
-        return sum(len(ids) * groups[g].block_bytes for g, ids in enumerate(hit.blocks_to_load))
+        """Bytes one tensor-parallel rank (of every pipeline stage) reads to load ``hit``
+        from nothing: every block it names, each group's ``block_bytes``."""
+        ranks = self.ranks
+        return sum(len(ids) * ranks.block_bytes((g,)) for g, ids in enumerate(hit.blocks_to_load))

@@ -1,7 +1,7 @@
 """Building the connector's two sides from the user's config and the engine's facts.
 
 Any process. An engine adapter reads ``EngineFacts`` once and calls
-``build_worker`` (each worker process, one per tensor-parallel rank) and
+``build_worker`` (each worker process, one per rank) and
 ``build_scheduler`` (scheduler process). Whoever builds both in one process
 (one rank) hands the worker's store to ``build_scheduler``, which then looks
 up hits in that very store. Otherwise the scheduler opens lookup-only
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from hybridkv.connector.card import publish_card
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.lookup import KeyLookup, LookupView, TierSlice
+from hybridkv.connector.ranks import EngineRanks
 from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.sightings import MarksSightings
 from hybridkv.connector.worker import ConnectorWorker
@@ -28,6 +29,7 @@ from hybridkv.groups import ModelGroups
 from hybridkv.groups.kinds import GroupKind, rules_for
 from hybridkv.schema import ConfigError
 from hybridkv.tiers.base import Tier, TierReach
+from hybridkv.tiers.ranks import WorkerRank
 from hybridkv.tiers.registry import TierConfig, build_tier, build_tiers
 from hybridkv.tiers.tiered.store import TieredStore
 from hybridkv.transfer import TransferConfig
@@ -40,9 +42,14 @@ class EngineFacts:
     """What the connector needs to know about the engine, read once by its adapter."""
 
     model_groups: ModelGroups
+    """The model's groups (in a worker process, with its pipeline stage's layers)."""
     alignment_tokens: int
     """The engine's own granularity of prefix-cache hits."""
     tp_size: int = 1
+    pp_size: int = 1
+    stage_groups: tuple[ModelGroups, ...] = ()
+    """With pipeline parallel, each stage's groups with its own layers (the scheduler
+    learns them from the workers); empty: every stage holds ``model_groups``."""
     use_eagle: bool = False
     """The engine drafts with EAGLE/MTP: hits drop their last block as its own do."""
     eagle_group_ids: frozenset[int] = frozenset()
@@ -50,9 +57,23 @@ class EngineFacts:
     handoff_group_ids: frozenset[int] = frozenset()
     """Groups whose states the engine hands over each step (``StateHandoff``): the only
     states stored for them, since their blocks do not keep a state at their position."""
+    engine_group_ids: tuple[int, ...] = ()
+    """The engine's own id of each group (its KV events name groups so), when the
+    connector serves fewer groups than the engine has; empty: a group's place."""
     engine_key: str = "engine"
     """Tells this engine's scheduler and workers apart from other engines' in a process
     (for an adapter that must find one side's objects from the other)."""
+
+
+def engine_ranks(facts: EngineFacts) -> EngineRanks:
+    """Every rank of the engine and the layers each holds."""
+    stages = facts.stage_groups or (facts.model_groups,) * facts.pp_size
+    if len(stages) != facts.pp_size:
+        raise ValueError(
+            f"{len(stages)} stages' groups for pipeline_parallel_size={facts.pp_size}; give "
+            "one per stage"
+        )
+    return EngineRanks(tp_size=facts.tp_size, stage_groups=stages)
 
 
 def hit_alignment(config: ConnectorConfig, facts: EngineFacts) -> int:
@@ -112,11 +133,12 @@ def build_lookup(
     added to (a router serving several engines of one pool opens it once); the
     tiers returned are then only those this call opened.
     """
+    ranks = engine_ranks(facts)
     if worker_store is not None:
-        if facts.tp_size != 1:
+        if ranks.world_size != 1:
             raise ValueError(
-                f"worker_store with tensor_parallel_size={facts.tp_size}: one store holds one "
-                "rank's blocks; pass it only with one rank"
+                f"worker_store with {ranks.world_size} ranks (tensor x pipeline parallel): one "
+                "store holds one rank's blocks; pass it only with one rank"
             )
         logger.info("hybridkv lookups use the worker's store in this process (every tier)")
         return lookup_for_store(worker_store), []
@@ -124,9 +146,9 @@ def build_lookup(
     new: dict[TierConfig, Tier] = {}
     per_rank: list[list[LookupView | None]] = []
     try:
-        for rank in range(facts.tp_size):
+        for rank in ranks.ranks:
             views: list[LookupView | None] = []
-            for tier_config in config.for_rank(rank, facts.tp_size):
+            for tier_config in config.for_rank(rank):
                 if tier_config.reach is TierReach.PROCESS:
                     views.append(None)  # answered from the workers' reports
                     continue
@@ -163,7 +185,7 @@ def build_scheduler(
         alignment_tokens=hit_alignment(config, facts),
         hash_algo=config.hash_algo,
         selection=config.selection,
-        tp_size=facts.tp_size,
+        ranks=engine_ranks(facts),
         use_eagle=facts.use_eagle,
         eagle_group_ids=facts.eagle_group_ids or None,
         admission=config.admission,
@@ -184,17 +206,22 @@ def sighting_tier(config: ConnectorConfig, tiers: Sequence[object]) -> MarksSigh
     return next((tier for tier in tiers if isinstance(tier, MarksSightings)), None)
 
 
-def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -> ConnectorWorker:
-    """Rank ``tp_rank``'s worker side over its own tiers."""
-    if not 0 <= tp_rank < facts.tp_size:
-        raise ValueError(f"tp_rank={tp_rank} is not a rank of tensor_parallel_size={facts.tp_size}")
-    store = build_store(config.for_rank(tp_rank, facts.tp_size), config)
+def build_worker(
+    config: ConnectorConfig, facts: EngineFacts, *, rank: WorkerRank
+) -> ConnectorWorker:
+    """``rank``'s worker side over its own tiers (``facts.model_groups``: the groups
+    with its own layers)."""
+    if (rank.tp_size, rank.pp_size) != (facts.tp_size, facts.pp_size):
+        raise ValueError(
+            f"{rank} is not a rank of tensor_parallel_size={facts.tp_size}, "
+            f"pipeline_parallel_size={facts.pp_size}"
+        )
+    store = build_store(config.for_rank(rank), config)
     lower_switch_interval(config.thread_switch_interval_s)
     return ConnectorWorker(
         facts.model_groups,
         store,
-        tp_rank=tp_rank,
-        tp_size=facts.tp_size,
+        rank=rank,
         transfer_config=TransferConfig(
             load_timeout_s=config.load_timeout_s, device_chunk_bytes=config.device_chunk_bytes
         ),

@@ -12,21 +12,21 @@ from collections.abc import Callable, Sequence
 
 from hybridkv.connector.lookup import KeyLookup
 from hybridkv.connector.metadata import BlockRef, LoadPlan
-from hybridkv.groups import ModelGroups
-from hybridkv.keys import KeyBuilder
+from hybridkv.connector.search import HitSearch
 
 
 def hit_sources(
     plan: LoadPlan,
     view: KeyLookup,
-    model_groups: ModelGroups,
-    builder: KeyBuilder,
+    search: HitSearch,
     is_storing: Callable[[BlockRef], bool],
 ) -> dict[int, int]:
     """Tokens ``plan`` loads, by the tier (index) serving them ({} for none).
 
-    ``builder``: rank 0's; ``is_storing``: whether a block is still being stored.
+    ``search``: the engine's ranks and their keys (each group is asked of the first
+    rank holding it); ``is_storing``: whether a block is still being stored.
     """
+    ranks, builders = search.ranks, search.builders
     if not plan.planned or plan.num_tokens <= plan.base_tokens:
         return {}
     num_tokens = plan.num_tokens - plan.base_tokens
@@ -35,14 +35,15 @@ def hit_sources(
     order = sorted(range(view.num_tiers), key=lambda i: (view.load_weights[i], i))
     served = [0] * view.num_tiers
     for t in plan.transfers:
-        block_bytes = model_groups.groups[t.group_id].block_bytes
+        block_bytes = ranks.block_bytes((t.group_id,))
+        rank = ranks.holders[t.group_id][0]
         todo = [h for h in t.block_hashes if not is_storing(BlockRef(t.group_id, h))]
         served[0] += (len(t.block_hashes) - len(todo)) * block_bytes
         for tier in order:
             if not todo:
                 break
-            keys = builder.keys_of(t.group_id, todo)
-            found = view.contains_many(keys, rank=0, tier_index=tier)
+            keys = builders[rank].keys_of(t.group_id, todo)
+            found = view.contains_many(keys, rank=rank, tier_index=tier)
             served[tier] += sum(found) * block_bytes
             todo = [h for h, hit in zip(todo, found, strict=True) if not hit]
         served[order[0]] += len(todo) * block_bytes  # gone since the lookup: unknown

@@ -57,6 +57,9 @@ class StepInput:
     """Requests the engine finished since the last step (their blocks are free)."""
     state_handoffs: Mapping[str, Sequence[StateHandoff]] = field(default_factory=dict)
     """Per request, the states this step hands over (groups the engine hands over)."""
+    other_block_ids: Sequence[int] = ()
+    """Blocks handed this step to groups the connector does not serve, from the pool
+    its groups share: the forward pass may write them, so they are fenced too."""
 
     def written_block_ids(self, model_groups: ModelGroups) -> tuple[int, ...]:
         """The blocks this step's forward pass may write, in any group: those handed to
@@ -64,7 +67,7 @@ class StepInput:
         lie wholly before its computed tokens (prefix-cache hits, only read). A Mamba
         group's state block at that boundary counts as written (the step may update
         it). The null block 0 is never written."""
-        written: set[int] = set()
+        written = {b for b in self.other_block_ids if b}
         for req in self.scheduled:
             if req.new_block_ids is None:
                 continue

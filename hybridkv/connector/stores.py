@@ -20,6 +20,7 @@ from collections.abc import Collection, Sequence
 
 from hybridkv.connector.lookup import BoundedKeySet
 from hybridkv.connector.metadata import BlockRef, BlockTransfer, RankReport, StorePlan
+from hybridkv.connector.ranks import EngineRanks
 from hybridkv.connector.requests import RequestState
 from hybridkv.connector.steps import ScheduledRequest, StateHandoff
 from hybridkv.groups import ModelGroups
@@ -35,7 +36,7 @@ class StorePlanner:
         self,
         model_groups: ModelGroups,
         builder: KeyBuilder,
-        tp_size: int,
+        ranks: EngineRanks,
         drafting: Sequence[bool] | None = None,
         handoff_group_ids: frozenset[int] = frozenset(),
     ) -> None:
@@ -47,7 +48,8 @@ class StorePlanner:
         """Per group: hits drop its last block (EAGLE), so stores keep one block more."""
         self.builder = builder
         """Any rank's builder: block hashes are the same for every rank."""
-        self.tp_size = tp_size
+        self.num_holders = ranks.num_holders()
+        """Per group, the ranks that confirm each of its blocks (those with its layers)."""
         self._recent: BoundedKeySet[BlockRef] = BoundedKeySet(RECENT_STORES)
         self._storing: OrderedDict[BlockRef, int] = OrderedDict()
         """Blocks sent for storing -> ranks that have not confirmed them yet."""
@@ -198,7 +200,7 @@ class StorePlanner:
 
     def _note_storing(self, refs: Sequence[BlockRef]) -> None:
         for ref in refs:
-            self._storing[ref] = self.tp_size
+            self._storing[ref] = self.num_holders[ref.group_id]
             self._storing.move_to_end(ref)
         while len(self._storing) > RECENT_STORES:
             self._storing.popitem(last=False)

@@ -1,8 +1,10 @@
 """Worker side of the connector: executes the scheduler's loads and stores.
 
-Worker process (one per tensor-parallel rank; it owns that rank's KV tensors
-and tiers); never decides what to move. It names blocks in its own rank's
-key namespace. Loads run asynchronously on the transfer engine and are
+Worker process (one per rank; it owns that rank's KV tensors and tiers); never
+decides what to move. It names blocks in its own rank's key namespace. A
+pipeline stage holding no layer of a group skips that group's blocks: it
+stores none and loads none of them (its loads still report, so the scheduler
+sees every rank finish). Loads run asynchronously on the transfer engine and are
 reported once every block of the request has arrived, failed or timed out; a
 load of a block this worker is still storing waits for that store. Stores are
 copied out of the KV tensors from ``save`` on (the step that computed them;
@@ -48,6 +50,7 @@ from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace
 from hybridkv.layout import CanonicalKVCaches, canonicalize
 from hybridkv.tiers.base import StoreKey
+from hybridkv.tiers.ranks import WorkerRank
 from hybridkv.tiers.tiered.store import TieredStore
 from hybridkv.transfer import (
     JobId,
@@ -95,17 +98,18 @@ class ConnectorWorker:
         model_groups: ModelGroups,
         store: TieredStore,
         *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        rank: WorkerRank | None = None,
         transfer_config: TransferConfig | None = None,
         eviction_order: EvictionOrder = EvictionOrder.CHAIN,
     ) -> None:
         self.model_groups = model_groups
         self.store = store
-        self.tp_rank = tp_rank
-        self.keys = KeyBuilder(
-            model_groups, KeyNamespace.for_groups(model_groups, tp_rank=tp_rank, tp_size=tp_size)
-        )
+        self.rank = rank or WorkerRank()
+        """None: the one rank of an engine without tensor or pipeline parallel."""
+        self.keys = KeyBuilder(model_groups, KeyNamespace.for_rank(model_groups, self.rank))
+        self.held = frozenset(g for g, group in enumerate(model_groups.groups) if group.num_layers)
+        """The groups this rank has layers of (all but, on a pipeline stage, those whose
+        layers all lie in other stages)."""
         self.transfer_config = transfer_config or TransferConfig()
         self.stats = WorkerStats.for_groups(model_groups.num_groups)
         self.caches: CanonicalKVCaches | None = None
@@ -117,7 +121,7 @@ class ConnectorWorker:
         """Keys of store jobs in flight (a load of them waits)."""
         self._admission = WorkerAdmission(model_groups, self.keys, store)
         self._plain_lru = False
-        self._report = ReportBuilder(tp_rank)
+        self._report = ReportBuilder(self.rank.index)
         block_sizes = [group.block_size for group in model_groups.groups]
         weighs = eviction_order is EvictionOrder.WORTH
         worth = ChainWorth.for_groups(model_groups) if weighs else None
@@ -136,7 +140,7 @@ class ConnectorWorker:
             raise RuntimeError("KV caches are already registered")
         self.caches = caches
         self.engine = TransferEngine(caches, self.store, self.transfer_config)
-        logger.info("worker KV caches (rank %d): %s", self.tp_rank, caches.describe())
+        logger.info("worker KV caches (rank %s): %s", self.rank.label, caches.describe())
         return caches
 
     # --- every step ----------------------------------------------------------------
@@ -191,6 +195,8 @@ class ConnectorWorker:
         longer holds."""
         out: list[BlockTransfer] = []
         for t in refresh:
+            if t.group_id not in self.held:
+                continue
             held = self.store.first_holds(self.keys.keys_of(t.group_id, t.block_hashes))
             gone = [j for j, h in enumerate(held) if not h]
             if gone:
@@ -205,7 +211,8 @@ class ConnectorWorker:
         if plain_lru != self._plain_lru:
             self._plain_lru = plain_lru
             self.store.use_plain_lru(plain_lru)
-        self._admission.admit(refs, self._storing)
+        ours = [ref for ref in refs if ref.group_id in self.held]
+        self._admission.admit(ours, self._storing)
 
     def finish_requests(self, req_ids: frozenset[str] | set[str]) -> None:
         """The engine finished these requests (their stores still run to the end)."""
@@ -285,10 +292,13 @@ class ConnectorWorker:
     ) -> list[_Part]:
         """Jobs of at most one part per group and 1/JOB_SHARE of the staging arena; a
         load's parts name the tier it reads from (None: the cheapest holding each block).
-        The request's chain learns every block."""
+        The request's chain learns every block. Groups this rank holds no layer of have
+        none."""
         limit = max(self._engine().max_job_bytes // JOB_SHARE, 1)
         parts: list[_Part] = []
         for t in transfers:
+            if t.group_id not in self.held:
+                continue
             per_job = max(1, limit // self.model_groups.groups[t.group_id].block_bytes)
             for start in range(0, len(t.block_ids), per_job):
                 hashes = t.block_hashes[start : start + per_job]
@@ -392,6 +402,8 @@ class ConnectorWorker:
         end = now if landed is None or load.outcome is LoadOutcome.TIMED_OUT else landed
         self.stats.add_load_seconds(end - load.started)
         for t in plan.transfers:
+            if t.group_id not in self.held:
+                continue
             counts = self.stats.groups[t.group_id]
             num_failed = len(failed[t.group_id])
             num_loaded = len(t.block_ids) - num_failed

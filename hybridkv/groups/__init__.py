@@ -4,6 +4,6 @@ Pure data and pure functions; used by the scheduler side and the worker side.
 """
 
 from hybridkv.groups.kinds import GroupKind
-from hybridkv.groups.model_groups import KVGroup, ModelGroups, make_layer_names
+from hybridkv.groups.model_groups import KVGroup, ModelGroups, make_layer_names, merge_stages
 
-__all__ = ["GroupKind", "KVGroup", "ModelGroups", "make_layer_names"]
+__all__ = ["GroupKind", "KVGroup", "ModelGroups", "make_layer_names", "merge_stages"]

@@ -8,6 +8,7 @@ own block size in tokens and its own page size (one layer's block, in bytes).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -29,8 +30,9 @@ from hybridkv.schema import (
     parse,
 )
 
-LayerNames = Annotated[tuple[StrictStr, ...], Field(min_length=1), Distinct]
-"""A group's layers: at least one, each named once."""
+LayerNames = Annotated[tuple[StrictStr, ...], Distinct]
+"""A group's layers, each named once; none on a pipeline stage that holds no layer of
+the group (the model's groups as that stage sees them)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +177,8 @@ class ModelGroups:
             problems.add(_block_size_problems(self))
         if problems.valid("groups"):
             problems.add(_shared_layer_problems(self.groups))
+            if not any(g.layer_names for g in self.groups):
+                problems.add(["every group has no layers; at least one group needs a layer"])
         problems.raise_if_any()
         object.__setattr__(self, "_fingerprint", _fingerprint(self))
 
@@ -211,6 +215,26 @@ class ModelGroups:
         """Model groups from their JSON form (``to_dict``); ConfigError lists every problem."""
         model_groups: ModelGroups = parse(cls, data, where=where)
         return model_groups
+
+
+def merge_stages(stages: Sequence[ModelGroups]) -> ModelGroups:
+    """The whole model's groups from each pipeline stage's (the stages' layers of each
+    group, in stage order: the groups one stage holding every layer would have)."""
+    groups = []
+    for per_stage in zip(*(s.groups for s in stages), strict=True):
+        held = [g for g in per_stage if g.layer_names]
+        pages = [p for g in held for p in g.page_sizes_bytes]
+        uniform = all(not g.layer_page_sizes_bytes for g in held)
+        groups.append(
+            dataclasses.replace(
+                per_stage[0],
+                layer_names=tuple(name for g in held for name in g.layer_names),
+                page_size_bytes=max(pages, default=per_stage[0].page_size_bytes),
+                layer_page_sizes_bytes=() if uniform else tuple(pages),
+            )
+        )
+    first = stages[0]
+    return dataclasses.replace(first, groups=tuple(groups))
 
 
 def _block_size_problems(model_groups: ModelGroups) -> list[str]:

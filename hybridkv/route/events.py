@@ -158,9 +158,13 @@ class PromptBlocks:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        group_idx: Sequence[int] | None = None,
     ) -> None:
+        """``group_idx``: each group's id in the engine's events (None: its place; an
+        engine whose connector skips groups numbers them otherwise)."""
         self.index = index
         self.block_sizes = tuple(block_sizes)
+        self.group_idx = tuple(group_idx or range(len(self.block_sizes)))
         chains = {
             size: index.chain(token_ids, size, lora_name=lora_name, cache_salt=cache_salt)
             for size in set(block_sizes)
@@ -176,7 +180,7 @@ class PromptBlocks:
             held = dict(
                 zip(
                     named,
-                    self.index.holds(sources, group_id, [chain[i] for i in named]),
+                    self.index.holds(sources, self.group_idx[group_id], [chain[i] for i in named]),
                     strict=True,
                 )
             )

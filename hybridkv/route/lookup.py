@@ -27,7 +27,7 @@ from hybridkv.connector.card import EngineCard
 from hybridkv.connector.events import event_source
 from hybridkv.connector.lookup import LookupView
 from hybridkv.connector.search import HitSearch
-from hybridkv.connector.setup import EngineFacts, build_lookup
+from hybridkv.connector.setup import EngineFacts, build_lookup, engine_ranks
 from hybridkv.hits import Contains, Hit
 from hybridkv.keys import BlockHash, RequestBlockHasher, encode_token_ids
 from hybridkv.route.events import DEVICE, EventIndex, PromptBlocks
@@ -192,6 +192,8 @@ def engine_facts(card: EngineCard) -> EngineFacts:
         model_groups=card.model_groups,
         alignment_tokens=card.alignment_tokens,
         tp_size=card.tp_size,
+        pp_size=len(card.stage_groups) or 1,
+        stage_groups=card.stage_groups,
         use_eagle=card.use_eagle,
         eagle_group_ids=frozenset(card.eagle_group_ids),
         engine_key=card.engine_id,
@@ -230,7 +232,7 @@ class EngineLookup:
         self.visible = tuple(view is not None for view in lookup.tier_views[0])
         self.search = HitSearch(
             model_groups=card.model_groups,
-            tp_size=card.tp_size,
+            ranks=engine_ranks(engine_facts(card)),
             alignment_tokens=card.alignment_tokens,
             use_eagle=card.use_eagle,
             eagle_group_ids=card.eagle_group_ids or None,
@@ -282,6 +284,7 @@ class EngineLookup:
                 sizes,
                 lora_name=query.lora_name,
                 cache_salt=query.cache_salt,
+                group_idx=self.card.engine_group_ids or None,
             )
         with self._lock:
             try:

@@ -15,6 +15,7 @@ from pydantic.dataclasses import dataclass
 
 from hybridkv.schema import CONFIG, Number, Seconds
 from hybridkv.tiers.base import TierMedium, TierReach
+from hybridkv.tiers.ranks import WorkerRank
 
 if TYPE_CHECKING:
     from hybridkv.tiers.base import Tier
@@ -45,8 +46,8 @@ class TierConfigBase:
         """The config of an instance that only answers lookups (for another process)."""
         return self
 
-    def for_rank(self, tp_rank: int, tp_size: int) -> Self:
-        """The config of tensor-parallel rank ``tp_rank``'s own tier."""
+    def for_rank(self, rank: WorkerRank) -> Self:
+        """The config of ``rank``'s own tier."""
         return self
 
 

@@ -22,6 +22,7 @@ from hybridkv.paths import default_cache_dir
 from hybridkv.schema import ConfigError
 from hybridkv.tiers.cpu import CpuConfig
 from hybridkv.tiers.disk.config import DiskConfig
+from hybridkv.tiers.ranks import WorkerRank
 from hybridkv.tiers.selection import Selection
 
 
@@ -83,10 +84,12 @@ def test_explicit_tiers_replace_the_default(tmp_path: Path) -> None:
 
 def test_each_rank_gets_its_own_disk_directory(tmp_path: Path) -> None:
     config = ConnectorConfig.from_dict({"cache_dir": str(tmp_path)})
-    assert config.for_rank(0, 1) == config.tier_configs  # one rank: the path as given
-    paths = [config.for_rank(rank, 2)[1].paths.root for rank in range(2)]  # type: ignore[union-attr]
+    assert config.for_rank(WorkerRank()) == config.tier_configs  # one rank: the path as given
+    paths = [
+        config.for_rank(WorkerRank(tp_rank=rank, tp_size=2))[1].paths.root for rank in range(2)
+    ]  # type: ignore[union-attr]
     assert paths == [tmp_path / "kv" / "tp0of2", tmp_path / "kv" / "tp1of2"]
-    assert [t.kind for t in config.for_rank(1, 2)] == ["cpu", "disk"]
+    assert [t.kind for t in config.for_rank(WorkerRank(tp_rank=1, tp_size=2))] == ["cpu", "disk"]
 
 
 def test_all_problems_in_one_error_with_the_allowed_keys() -> None:

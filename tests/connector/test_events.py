@@ -37,7 +37,7 @@ def ref(i: int, group_id: int = 0) -> BlockRef:
 
 def report(rank: int, *changes: tuple[int, BlockRef, bool]) -> WorkerReport:
     tier_changes = tuple(TierChange(*change) for change in changes)
-    return WorkerReport(ranks=(RankReport(tp_rank=rank, tier_changes=tier_changes),))
+    return WorkerReport(ranks=(RankReport(rank=rank, tier_changes=tier_changes),))
 
 
 def replay(events: Sequence[TierEvent]) -> set[tuple[int, BlockRef]]:
@@ -55,7 +55,7 @@ def replay(events: Sequence[TierEvent]) -> set[tuple[int, BlockRef]]:
 
 
 def test_a_block_is_announced_once_every_rank_holds_it_and_removed_when_one_loses_it() -> None:
-    events = TierEvents(tp_size=2)
+    events = TierEvents(num_ranks=2)
     events.take_report(report(0, (1, ref(1), True)))
     assert events.take() == []
     events.take_report(report(1, (1, ref(1), True), (1, ref(1), True)))  # twice: once

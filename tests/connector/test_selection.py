@@ -92,12 +92,12 @@ def test_metadata_and_reports_pickle() -> None:
     assert pickle.loads(pickle.dumps(meta)) == meta
     failed = LoadResult(req_id="a", outcome=LoadOutcome.FAILED, failed_block_ids=((), (9,)))
     report = WorkerReport(
-        ranks=(RankReport(tp_rank=0, finished_loads=(failed,), stored=(BlockRef(1, hashes[0]),)),)
+        ranks=(RankReport(rank=0, finished_loads=(failed,), stored=(BlockRef(1, hashes[0]),)),)
     )
     merged = report.merge(
-        WorkerReport(ranks=(RankReport(tp_rank=1, missing=(BlockRef(1, hashes[1]),)),))
+        WorkerReport(ranks=(RankReport(rank=1, missing=(BlockRef(1, hashes[1]),)),))
     )
     assert pickle.loads(pickle.dumps(merged)) == merged
-    assert [r.tp_rank for r in merged.ranks] == [0, 1] and not merged.ranks[0].finished_loads[0].ok
-    assert WorkerReport().is_empty and WorkerReport(ranks=(RankReport(tp_rank=0),)).is_empty
+    assert [r.rank for r in merged.ranks] == [0, 1] and not merged.ranks[0].finished_loads[0].ok
+    assert WorkerReport().is_empty and WorkerReport(ranks=(RankReport(rank=0),)).is_empty
     assert not merged.is_empty

@@ -12,6 +12,7 @@ import pytest
 from hybridkv.connector.setup import EngineFacts, build_scheduler, build_worker
 from hybridkv.groups import GroupKind
 from hybridkv.tiers.base import PutStatus
+from hybridkv.tiers.ranks import WorkerRank
 from tests.support.connector import block_keys, make_config, prompt
 from tests.support.sim import make_groups
 
@@ -34,7 +35,7 @@ def test_a_scheduler_handed_the_worker_store_finds_its_cpu_blocks(
     """Blocks only in the worker's CPU tier, never reported: a scheduler built with the
     worker's store hits them; one without it answers that tier from reports (none yet)."""
     config = make_config(tmp_path)
-    worker = build_worker(config, FACTS, tp_rank=0)
+    worker = build_worker(config, FACTS, rank=WorkerRank())
     tokens = prompt(17)
     keys = block_keys(GROUPS, tokens, 0, range(4))
     block_bytes = GROUPS.groups[0].block_bytes
@@ -56,9 +57,11 @@ def test_a_worker_store_is_refused_with_several_ranks(tmp_path: Path) -> None:
     facts = EngineFacts(
         model_groups=GROUPS, alignment_tokens=GROUPS.scheduler_block_size, tp_size=2
     )
-    worker = build_worker(config, facts, tp_rank=1)
-    with pytest.raises(ValueError, match="worker_store with tensor_parallel_size=2"):
+    worker = build_worker(config, facts, rank=WorkerRank(tp_rank=1, tp_size=2))
+    with pytest.raises(ValueError, match="worker_store with 2 ranks"):
         build_scheduler(config, facts, worker_store=worker.store)
-    with pytest.raises(ValueError, match="tp_rank=2 is not a rank"):
-        build_worker(config, facts, tp_rank=2)
+    with pytest.raises(ValueError, match=r"tp_size=4.*is not a rank of tensor_parallel_size=2"):
+        build_worker(config, facts, rank=WorkerRank(tp_rank=2, tp_size=4))
+    with pytest.raises(ValueError, match=r"tp_rank=2 must be in \[0, tp_size=2\)"):
+        WorkerRank(tp_rank=2, tp_size=2)
     worker.close()

@@ -80,10 +80,16 @@ def _layer_tensors(worker: Any, layer_name: str) -> list[torch.Tensor]:
     return [t for t in tensors if isinstance(t, torch.Tensor) and t.numel() > 0]
 
 
-def _zero_blocks_on_worker(worker: Any, layer_names: list[str], block_ids: list[int] | None) -> int:
-    """In a worker: zero ``block_ids`` (or everything) of ``layer_names``; bytes zeroed."""
+def _zero_blocks_on_worker(
+    worker: Any, layer_names: list[str] | None, block_ids: list[int] | None
+) -> int:
+    """In a worker: zero ``block_ids`` (or everything) of ``layer_names`` (None: every
+    layer this worker holds, its pipeline stage's); bytes zeroed."""
     num_bytes = 0
     index = None if block_ids is None else torch.tensor(block_ids, dtype=torch.long)
+    if layer_names is None:
+        context = worker.model_runner.compilation_config.static_forward_context
+        layer_names = [name for name, layer in context.items() if hasattr(layer, "kv_cache")]
     for layer_name in layer_names:
         for tensor in _layer_tensors(worker, layer_name):
             if index is None:
@@ -97,8 +103,7 @@ def _zero_blocks_on_worker(worker: Any, layer_names: list[str], block_ids: list[
 def wipe_kv_cache(llm: Any) -> int:
     """Zero every KV block of every layer in every worker; returns the bytes zeroed
     (summed over ranks; views may overlap)."""
-    layer_names = [n for g in kv_cache_config(llm).kv_cache_groups for n in g.layer_names]
-    return sum(llm.collective_rpc(_zero_blocks_on_worker, args=(layer_names, None)))
+    return sum(llm.collective_rpc(_zero_blocks_on_worker, args=(None, None)))
 
 
 def cached_block_ids(llm: Any, group_id: int) -> list[int]:

@@ -20,6 +20,7 @@ from hybridkv.schema import ConfigError
 from hybridkv.tiers.base import GetStatus, StoreKey
 from hybridkv.tiers.disk.files import UnsafeCacheDir
 from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
+from hybridkv.tiers.ranks import WorkerRank
 from tests.faults.report import record
 from tests.support.corrupt import flip_payload_byte, stored_objects
 
@@ -199,15 +200,17 @@ def test_a_link_in_place_of_a_rank_directory_is_refused(tmp_path: Path) -> None:
     directory; a link planted there would lead the rank's tier out of it."""
     root, outside = tmp_path / "cache", tmp_path / "outside"
     config = DiskConfig(path=root, capacity_bytes=16 << 20)  # type: ignore[arg-type]
-    DiskTier(config.for_rank(0, 2)).close()
+    DiskTier(config.for_rank(WorkerRank(tp_rank=0, tp_size=2))).close()
     outside.mkdir(mode=0o700)
     planted = root / "tp1of2"
     planted.symlink_to(outside)
     with pytest.raises(UnsafeCacheDir) as caught:
-        DiskTier(config.for_rank(1, 2))
+        DiskTier(config.for_rank(WorkerRank(tp_rank=1, tp_size=2)))
     assert str(planted) in str(caught.value) and "symbolic link" in str(caught.value)
     assert list(outside.iterdir()) == []
-    DiskTier(config.for_rank(0, 2)).close()  # the rank whose directory is real still opens
+    DiskTier(
+        config.for_rank(WorkerRank(tp_rank=0, tp_size=2))
+    ).close()  # the rank whose directory is real still opens
     record(
         "disk: symlink in place of a rank directory",
         done="replace tp1of2 (tensor-parallel rank 1's directory) by a link out, open rank 1",

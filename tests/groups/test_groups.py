@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.groups import GroupKind, KVGroup, ModelGroups, make_layer_names
+from hybridkv.groups import GroupKind, KVGroup, ModelGroups, make_layer_names, merge_stages
 
 
 def group(**overrides: Any) -> KVGroup:
@@ -46,7 +46,6 @@ INVALID_GROUPS = [
     ({"block_size": True}, ["block_size=True", "must be a valid integer"]),
     ({"page_size_bytes": 0}, ["page_size_bytes=0", "must be greater than 0"]),
     ({"page_size_bytes": 1.5}, ["page_size_bytes=1.5", "must be a valid integer"]),
-    ({"layer_names": ()}, ["layer_names=()", "must have at least 1 item"]),
     ({"layer_names": ("a", "b", "a")}, ["layer_names=('a', 'b', 'a')", "duplicates ['a']"]),
     ({"kind": "full"}, ["kind='full'", "must be an instance of GroupKind"]),
     (
@@ -83,6 +82,26 @@ def test_invalid_group_names_field_value_and_rule(
     assert message.startswith("invalid KVGroup: ")
     for fragment in fragments:
         assert fragment in message, (fragment, message)
+
+
+def test_a_pipeline_stage_may_hold_no_layer_of_a_group_but_of_some_group() -> None:
+    stage = ModelGroups(groups=(group(), sliding(layer_names=())))
+    assert stage.groups[1].block_bytes == 0 and stage.groups[0].block_bytes == 1024
+    with pytest.raises(ValueError, match="every group has no layers"):
+        ModelGroups(groups=(group(layer_names=()), sliding(layer_names=())))
+
+
+def test_stages_merge_into_the_groups_of_one_stage_holding_every_layer() -> None:
+    whole = ModelGroups(
+        groups=(group(layer_names=("l.1", "l.3")), sliding(layer_names=("l.0", "l.2")))
+    )
+    stages = (
+        ModelGroups(groups=(group(layer_names=()), sliding(layer_names=("l.0",)))),
+        ModelGroups(groups=(group(layer_names=("l.1", "l.3")), sliding(layer_names=("l.2",)))),
+    )
+    merged = merge_stages(stages)
+    assert merged == whole and merged.fingerprint == whole.fingerprint
+    assert len({s.fingerprint for s in (*stages, whole)}) == 3  # each stage its own keys
 
 
 def test_group_collects_every_problem_into_one_error() -> None:

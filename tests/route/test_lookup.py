@@ -20,6 +20,7 @@ from hybridkv.connector.steps import StepInput
 from hybridkv.groups import GroupKind, KVGroup, ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.route.lookup import EngineLookup, HitQuery
+from hybridkv.tiers.ranks import WorkerRank
 from hybridkv.tiers.registry import build_tier
 from tests.support.cards import store_through_engine, write_engine_card
 from tests.support.connector import close_engine, make_config, make_engine, prompt, wait_loaded
@@ -164,7 +165,9 @@ def put_random_blocks(
             for group_id, kept in enumerate(kept_by_group):
                 ours = [i for i in kept if rng.random() < 0.97]
                 keys += builder.keys(group_id, hasher.block_hashes, ours)
-            with build_tier(config.for_rank(rank, tp_size)[tier_index]) as tier:
+            with build_tier(
+                config.for_rank(WorkerRank(tp_rank=rank, tp_size=tp_size))[tier_index]
+            ) as tier:
                 tier.put_many(keys, [np.zeros(8, np.uint8)] * len(keys))
 
 

@@ -14,6 +14,7 @@ from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.mooncake.config import MooncakeConfig
+from hybridkv.tiers.ranks import WorkerRank
 from hybridkv.tiers.registry import (
     TIER_CONFIGS,
     build_tier,
@@ -165,9 +166,17 @@ def test_each_kind_declares_who_can_see_it_and_where_it_keeps_objects(tmp_path: 
     ]
     # Another process may only look up and read; each rank owns its directory.
     assert disk.lookup_only().read_only and not disk.read_only
-    assert disk.for_rank(1, 4).paths.root == tmp_path / "tp1of4" and disk.for_rank(0, 1) == disk
-    ranked = disk.for_rank(1, 4).lookup_only()  # another process's view of rank 1
+    assert (
+        disk.for_rank(WorkerRank(tp_rank=1, tp_size=4)).paths.root == tmp_path / "tp1of4"
+        and disk.for_rank(WorkerRank()) == disk
+    )
+    ranked = disk.for_rank(
+        WorkerRank(tp_rank=1, tp_size=4)
+    ).lookup_only()  # another process's view of rank 1
     assert ranked.read_only and ranked.paths.root == tmp_path / "tp1of4"
     for config in (cpu, pool, valkey):
-        assert config.lookup_only() == config and config.for_rank(1, 2) == config
+        assert (
+            config.lookup_only() == config
+            and config.for_rank(WorkerRank(tp_rank=1, tp_size=2)) == config
+        )
     assert {type(c) for c in (cpu, disk, pool, valkey)} == set(TIER_CONFIGS)

@@ -3,10 +3,12 @@
 Load it with ``--kv-transfer-config '{"kv_connector": "HybridKVConnector",
 "kv_connector_module_path": "hybridkv.vllm", "kv_role": "kv_both"}'``. vLLM
 builds one instance with the SCHEDULER role (EngineCore process) and one
-with the WORKER role per worker (per tensor-parallel rank; the same process
-with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and one rank, separate ones
-otherwise). This class only translates: facts come from ``facts``, vLLM's
-types from ``plumbing``, metrics from ``metrics``.
+with the WORKER role per worker (per rank; the same process with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and one rank, separate ones otherwise).
+With pipeline parallel the scheduler side is built once the workers sent their
+stages' groups (vLLM's handshake, before the first request). This class only
+translates: facts come from ``facts``, vLLM's types from ``plumbing``, metrics
+from ``metrics``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
@@ -25,11 +28,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.events import event_source
+from hybridkv.connector.events import TierEvents, event_source
 from hybridkv.connector.metadata import ConnectorMetadata, LoadOutcome, WorkerReport
 from hybridkv.connector.metrics import Sample, scheduler_samples, worker_samples
 from hybridkv.connector.scheduler import ConnectorScheduler
-from hybridkv.connector.setup import build_scheduler, build_worker
+from hybridkv.connector.setup import build_scheduler, build_worker, engine_ranks
 from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.groups import GroupKind
 from hybridkv.integrations.vllm.events import BlockEvents, group_events
@@ -41,14 +44,17 @@ from hybridkv.integrations.vllm.metrics import (
     stats_data,
 )
 from hybridkv.integrations.vllm.plumbing import (
+    StageGroups,
     VllmMetadata,
     VllmWorkerMeta,
     is_cacheable,
     preferred_kv_cache_layout,
     step_input,
-    tensor_parallel_rank,
+    with_stages,
     worker_connector_in_process,
+    worker_rank,
 )
+from hybridkv.integrations.vllm.served import ServedGroups
 from hybridkv.tiers.base import Tier, TierMedium
 from hybridkv.tiers.tiered.changes import ChangeLog
 from hybridkv.tiers.tiered.store import TieredStore
@@ -96,8 +102,11 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.facts = engine_facts(
             vllm_config, kv_cache_config, self.config.model_id, str(transfer_config.engine_id)
         )
+        self._served = ServedGroups.of(kv_cache_config)
+        """The groups hybridkv serves, by vLLM's ids (the others the engine recomputes)."""
         groups = self.facts.model_groups.groups
-        self._block_level_errors = len(groups) == 1 and groups[0].kind is GroupKind.FULL
+        one_group = self._served.num_engine_groups == 1
+        self._block_level_errors = one_group and groups[0].kind is GroupKind.FULL
         self._deltas = CounterDeltas()
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
@@ -108,27 +117,29 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         events_config = getattr(vllm_config, "kv_events_config", None)
         self._publish_events = bool(events_config and events_config.enable_kv_cache_events)
         self._events: BlockEvents | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._init_scheduler(transfer_config, kv_cache_config)
-        else:
+        if role != KVConnectorRole.SCHEDULER:
             self._init_worker()
-
-    def _init_scheduler(self, transfer_config: Any, kv_cache_config: Any) -> None:
-        self._scheduler, self._lookup_tiers = build_scheduler(
-            self.config, self.facts, worker_store=self._worker_store_in_process()
-        )
-        if self._publish_events:
-            hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
-            self._events = BlockEvents(
-                group_events(kv_cache_config),
-                hash_block_size or self.facts.model_groups.hash_block_size,
-                [event_source(c) for c in self.config.tier_configs],
-                tp_size=self.facts.tp_size,
-            )
+            return
         if transfer_config.kv_load_failure_policy != "recompute":
             # A cache that cannot load a block costs a recompute, never a failed request.
             logger.info("hybridkv sets kv_load_failure_policy='recompute' (it is a cache)")
             transfer_config.kv_load_failure_policy = "recompute"
+        if self.facts.pp_size == 1:
+            self._init_scheduler()
+
+    def _init_scheduler(self) -> None:
+        self._scheduler, self._lookup_tiers = build_scheduler(
+            self.config, self.facts, worker_store=self._worker_store_in_process()
+        )
+        if self._publish_events:
+            ranks = engine_ranks(self.facts)
+            hash_block_size = getattr(self._kv_cache_config, "hash_block_size", None)
+            self._events = BlockEvents(
+                group_events(self._kv_cache_config, self._served),
+                hash_block_size or self.facts.model_groups.hash_block_size,
+                [event_source(c) for c in self.config.tier_configs],
+                tiers=TierEvents(ranks.world_size, holders=ranks.holders),
+            )
         model_groups = self.facts.model_groups
         logger.info(
             "hybridkv scheduler: %d KV groups %s, hits aligned to %d tokens%s, tiers %s",
@@ -139,16 +150,32 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             [c.kind for c in self.config.tier_configs],
         )
 
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Scheduler side, with pipeline parallel: every stage's groups, from the workers;
+        the scheduler side is built with them."""
+        if self._scheduler is None and self.facts.pp_size > 1:
+            self.facts = with_stages(self.facts, metadata)
+            self._init_scheduler()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """Worker side: this stage's groups for the scheduler (pipeline parallel only)."""
+        if self._worker is None or self.facts.pp_size == 1:
+            return None
+        return StageGroups(self.facts.model_groups)
+
     def _init_worker(self) -> None:
-        rank = tensor_parallel_rank(self.facts.tp_size)
-        self._worker = build_worker(self.config, self.facts, tp_rank=rank)
+        rank = worker_rank(self.facts.tp_size, self.facts.pp_size)
+        self._worker = build_worker(self.config, self.facts, rank=rank)
         if self._publish_events:  # the scheduler publishes what the tiers store and remove
             self._worker.store.record_changes(ChangeLog())
 
     def _worker_store_in_process(self) -> TieredStore | None:
         """This engine's one worker's store, when vLLM built that worker in this process."""
         other = worker_connector_in_process()
-        if self.facts.tp_size != 1 or not isinstance(other, HybridKVConnector):
+        one_rank = self.facts.tp_size * self.facts.pp_size == 1
+        if not one_rank or not isinstance(other, HybridKVConnector):
             return None
         if other._worker is None or other.facts.engine_key != self.facts.engine_key:
             return None
@@ -187,10 +214,12 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        caches = self._worker.register_kv_caches(kv_caches)
+        caches = self._worker.register_kv_caches(
+            self._served.served_layers(self._kv_cache_config, kv_caches)
+        )
         logger.info(
-            "hybridkv worker %d: %s; %s per block and group",
-            self._worker.tp_rank,
+            "hybridkv worker %s: %s; %s per block and group",
+            self._worker.rank.label,
             caches.describe(),
             "one copy" if all(caches.block_major) else "one copy per layer",
         )
@@ -335,7 +364,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
+        block_ids = self._served.select(blocks.get_block_ids())
+        self._scheduler.allocated(request.request_id, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int
@@ -354,7 +384,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> VllmMetadata:
         assert self._scheduler is not None
-        step = step_input(scheduler_output, self._requests)
+        step = step_input(scheduler_output, self._requests, self._served)
         meta = self._scheduler.build_metadata(step)
         if self._events is not None:
             self._events.note_plans(meta, self._requests)

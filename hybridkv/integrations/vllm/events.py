@@ -49,6 +49,7 @@ from hybridkv.connector.metadata import (
     StorePlan,
     WorkerReport,
 )
+from hybridkv.integrations.vllm.served import ServedGroups
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +63,18 @@ class GroupEvents(NamedTuple):
     block_size: int
     spec_kind: str | None
     sliding_window: int | None
+    group_idx: int = 0
+    """vLLM's id of the group (``ServedGroups``: hybridkv's ids skip unserved groups)."""
 
 
-def group_events(kv_cache_config: Any) -> tuple[GroupEvents, ...]:
+def group_events(kv_cache_config: Any, served: ServedGroups) -> tuple[GroupEvents, ...]:
+    """Per group hybridkv serves, in its order, what its events say."""
     groups = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
+    for group_idx in served.engine_group_ids:
+        spec = kv_cache_config.kv_cache_groups[group_idx].kv_cache_spec
         kind = get_kv_cache_spec_kind(spec).value
         window = get_kv_cache_spec_sliding_window(spec)
-        groups.append(GroupEvents(int(spec.block_size), kind, window))
+        groups.append(GroupEvents(int(spec.block_size), kind, window, group_idx))
     return tuple(groups)
 
 
@@ -104,14 +108,15 @@ class BlockEvents:
         hash_block_size: int,
         sources: Sequence[EventSource],
         *,
-        tp_size: int = 1,
+        tiers: TierEvents | None = None,
         max_pending_tokens: int = MAX_PENDING_TOKENS,
     ) -> None:
         self.groups = tuple(groups)
         self.hash_block_size = hash_block_size
         self.sources = tuple(sources)
         self.max_pending_tokens = max_pending_tokens
-        self.tiers = TierEvents(tp_size)
+        self.tiers = tiers or TierEvents()
+        """Which rank holds what (every rank of the engine: ``EngineRanks.holders``)."""
         self.num_unnamed = 0
         """Blocks announced by a tier after their name was dropped: not published."""
         self._pending: OrderedDict[BlockRef, _Name] = OrderedDict()
@@ -181,7 +186,7 @@ class BlockEvents:
         last = events[-1] if events else None
         if (
             isinstance(last, BlockStored)
-            and _same_source(last, source, ref.group_id)
+            and _same_source(last, source, group.group_idx)
             and (last.lora_name, last.lora_id, last.session_id)
             == (name.lora_name, name.lora_id, name.session_id)
             and last.block_hashes[-1] == name.parent
@@ -201,7 +206,7 @@ class BlockEvents:
                 medium=source.medium,
                 lora_name=name.lora_name,
                 extra_keys=extra_keys,
-                group_idx=ref.group_id,
+                group_idx=group.group_idx,
                 kv_cache_spec_kind=group.spec_kind,
                 kv_cache_spec_sliding_window=group.sliding_window,
                 locality=source.locality,
@@ -219,16 +224,16 @@ class BlockEvents:
         announced.tiers &= ~tier
         if not announced.tiers:
             del self._announced[ref]
-        source = self.sources[event.tier_index]
+        source, group_idx = self.sources[event.tier_index], self.groups[ref.group_id].group_idx
         last = events[-1] if events else None
-        if isinstance(last, BlockRemoved) and _same_source(last, source, ref.group_id):
+        if isinstance(last, BlockRemoved) and _same_source(last, source, group_idx):
             last.block_hashes.append(announced.block_hash)
             return
         events.append(
             BlockRemoved(
                 block_hashes=[announced.block_hash],
                 medium=source.medium,
-                group_idx=ref.group_id,
+                group_idx=group_idx,
                 locality=source.locality,
                 ownership=source.ownership,
             )

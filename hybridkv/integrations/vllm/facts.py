@@ -1,10 +1,12 @@
 """What the connector needs to know about a vLLM 0.32 engine, read once from its config.
 
 vLLM's scheduler and worker processes. Turns vLLM's ``KVCacheConfig`` into a
-``ModelGroups`` (refusing, in one error, every group we cannot serve
-correctly) and the engine's choices (hit alignment, tensor parallelism,
-EAGLE-style drafting) into ``EngineFacts``. Values the engine picks (block
-sizes vary by CPU) are always read from the engine, never assumed.
+``ModelGroups`` of the groups it serves (``served``: those vLLM lets a
+connector store under a prefix hash; refusing, in one error, every served
+group we cannot serve correctly) and the engine's choices (hit alignment,
+tensor and pipeline parallelism, EAGLE-style drafting) into ``EngineFacts``.
+Values the engine picks (block sizes vary by CPU) are always read from the
+engine, never assumed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -24,6 +27,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hybridkv.connector.setup import EngineFacts
 from hybridkv.groups import GroupKind, KVGroup, ModelGroups
+from hybridkv.integrations.vllm.served import ServedGroups
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +80,17 @@ def _mixed_layer_problem(where: str, group: Any) -> str | None:
     )
 
 
-def _group_problems(group_id: int, group: Any, mamba_mode: str | None) -> list[str]:
+def _group_problems(group_id: int, group: Any, mamba_mode: str | None, pp_size: int) -> list[str]:
     outer = type(group.kv_cache_spec).__name__
     where = f"KV cache group {group_id} ({outer}, layers {list(group.layer_names)[:3]}...)"
     problems = []
     specs = _layer_specs(group)
-    if not specs:
+    if not specs and pp_size == 1:  # a pipeline stage may hold no layer of a group
         problems.append(f"{where}: the group has no layers")
-    for cls in sorted({type(spec) for spec in specs.values()}, key=lambda c: c.__name__):
+    classes = {type(spec) for spec in specs.values()} or {
+        type(_any_layer_spec(group.kv_cache_spec))
+    }
+    for cls in sorted(classes, key=lambda c: c.__name__):
         name = cls.__name__
         if name == "CrossAttentionSpec":
             problems.append(f"{where}: cross-attention (encoder-decoder) groups are not supported")
@@ -93,8 +100,6 @@ def _group_problems(group_id: int, group: Any, mamba_mode: str | None) -> list[s
     mixed = _mixed_layer_problem(where, group)
     if mixed:
         problems.append(mixed)
-    if any(isinstance(s, SlidingWindowMLASpec) and s.bounded_replay for s in specs.values()):
-        problems.append(f"{where}: bounded-replay sliding windows are not supported")
     modes = {s.mamba_cache_mode for s in specs.values() if isinstance(s, MambaSpec)}
     if modes - {"align"}:
         problems.append(
@@ -104,8 +109,6 @@ def _group_problems(group_id: int, group: Any, mamba_mode: str | None) -> list[s
             "--mamba-cache-mode unset or 'align' (with prefix caching off vLLM uses 'none' "
             f"whatever it says; engine setting: {mamba_mode!r})"
         )
-    if getattr(group, "host_resident", False) or not getattr(group, "enable_kv_transfer", True):
-        problems.append(f"{where}: host-resident or non-transferable groups are not supported")
     return problems
 
 
@@ -115,22 +118,24 @@ def check_engine(vllm_config: Any, kv_cache_config: Any) -> None:
     parallel = vllm_config.parallel_config
     mamba_mode = getattr(vllm_config.cache_config, "mamba_cache_mode", None)
     problems: list[str] = []
-    if not groups:
-        problems.append("the model has no KV cache groups; nothing to offload")
-    for group_id, group in enumerate(groups):
-        problems += _group_problems(group_id, group, mamba_mode)
-    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
-    dcp = getattr(parallel, "decode_context_parallel_size", 1)
-    if pcp * dcp > 1:
-        # Several groups cannot work with it; one group would need hits aligned to
-        # block_size * dcp, which this connector does not do yet.
+    served = ServedGroups.of(kv_cache_config)
+    if not served.engine_group_ids:
         problems.append(
-            f"prefill/decode context parallel (pcp={pcp}, dcp={dcp}) is not supported "
-            f"({len(groups)} KV cache groups); use pcp = dcp = 1"
+            f"none of the model's {len(groups)} KV cache groups can be stored under a prefix "
+            "hash (vLLM's prefix_cacheable_group_ids, in the device pool); nothing to offload: "
+            "serve this model without hybridkv"
         )
-    if parallel.pipeline_parallel_size > 1:
+    for group_id in served.engine_group_ids:  # the others are skipped: the engine recomputes
+        pp_size = parallel.pipeline_parallel_size
+        problems += _group_problems(group_id, groups[group_id], mamba_mode, pp_size)
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    if pcp > 1:
+        # Prefill context parallel shards a block's tokens across ranks that vLLM's
+        # block ids do not name per rank; decode context parallel is served.
         problems.append(
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size} is not supported; use 1"
+            f"prefill context parallel (prefill_context_parallel_size={pcp}) is not "
+            "supported; use 1 (decode context parallel, decode_context_parallel_size > 1, "
+            "is)"
         )
     problems += _partial_hit_problems(kv_cache_config)
     if problems:
@@ -153,7 +158,7 @@ def _partial_hit_problems(kv_cache_config: Any) -> list[str]:
         "stores and loads whole Mamba blocks only: unset --prefix-match-unit or set it to "
         f"{spec.block_size}, so hits land on block boundaries"
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
-        for spec in list(_layer_specs(group).values())[:1]
+        for spec in [_any_layer_spec(group.kv_cache_spec)]
         if isinstance(spec, MambaSpec) and spec.block_size > alignment
     ]
 
@@ -164,15 +169,15 @@ def handoff_groups(kv_cache_config: Any) -> frozenset[int]:
     num_speculative_blocks`` columns) or prefill checkpoints (a state exported into
     a reserved column mid-step). Their states are stored as vLLM 0.32 hands them
     over by block id ("align" mode, ``SchedulerOutput.kv_connector_block_state``);
-    other Mamba groups keep each step's state at its block, stored from there."""
+    other Mamba groups keep each step's state at its block, stored from there. A
+    group's spec stands for all its layers, so a pipeline stage without any of them
+    answers as the others do."""
     return frozenset(
         group_id
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
-        if any(
-            isinstance(spec, MambaSpec)
-            and (spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks)
-            for spec in _layer_specs(group).values()
-        )
+        for spec in [_any_layer_spec(group.kv_cache_spec)]
+        if isinstance(spec, MambaSpec)
+        and (spec.num_speculative_blocks or spec.num_prefill_checkpoint_blocks)
     )
 
 
@@ -182,24 +187,31 @@ def page_size_bytes(spec: Any) -> int:
     return int(real if isinstance(real, int) and real > 0 else spec.page_size_bytes)
 
 
-def groups_from_config(kv_cache_config: Any, model_id: str) -> ModelGroups:
-    """vLLM's groups as a ``ModelGroups`` (call ``check_engine`` first).
+def groups_from_config(kv_cache_config: Any, model_id: str, dcp_world_size: int = 1) -> ModelGroups:
+    """vLLM's served groups as a ``ModelGroups``, in vLLM's order (call ``check_engine``
+    first; ``ServedGroups`` maps the ids).
+
+    A group's block spans the tokens of one block-table entry: with decode context
+    parallel (``dcp_world_size``) a sharded group's (full attention) spans
+    ``block_size * dcp_world_size`` tokens, each rank holding its share of them in a
+    block of ``block_size``; a replicated one's (Mamba) ``block_size``, as vLLM's
+    ``resolve_dcp_kv_block_size`` says.
 
     A ``UniformTypeKVCacheSpecs`` group (DeepSeek-V4: compressed MLA + indexer
     caches, compressor states) keeps each layer's real page, in ``layer_names``
     order; when they are all equal the group is an ordinary uniform-page group.
     """
     groups = []
-    for group in kv_cache_config.kv_cache_groups:
+    for group in ServedGroups.of(kv_cache_config).select(kv_cache_config.kv_cache_groups):
         specs = _layer_specs(group)
-        spec = next(iter(specs.values()))
+        spec = next(iter(specs.values()), None) or _any_layer_spec(group.kv_cache_spec)
         kind = _KINDS[type(spec)]
         pages = tuple(page_size_bytes(s) for s in specs.values())
         groups.append(
             KVGroup(
                 kind=kind,
-                block_size=int(spec.block_size),
-                page_size_bytes=max(pages),
+                block_size=resolve_dcp_kv_block_size(spec, dcp_world_size),
+                page_size_bytes=max(pages, default=page_size_bytes(spec)),
                 layer_names=tuple(specs),
                 sliding_window=spec.sliding_window if kind is GroupKind.SLIDING_WINDOW else None,
                 attention_chunk_size=(
@@ -210,6 +222,14 @@ def groups_from_config(kv_cache_config: Any, model_id: str) -> ModelGroups:
         )
     hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or 0
     return ModelGroups(groups=tuple(groups), hash_block_size=hash_block_size, model_id=model_id)
+
+
+def _any_layer_spec(spec: Any) -> Any:
+    """A layer's spec of a group this pipeline stage holds no layer of (vLLM keeps the
+    group's spec there, a per-layer collection naming the other stages' layers)."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return next(iter(spec.kv_cache_specs.values()))
+    return spec
 
 
 def default_model_id(vllm_config: Any) -> str:
@@ -234,16 +254,21 @@ def engine_facts(
 ) -> EngineFacts:
     check_engine(vllm_config, kv_cache_config)
     name = model_namespace(model_id or default_model_id(vllm_config), vllm_config, kv_cache_config)
-    model_groups = groups_from_config(kv_cache_config, name)
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1))
+    model_groups = groups_from_config(kv_cache_config, name, dcp)
     alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
     use_eagle, eagle_groups = eagle_drafting(vllm_config, kv_cache_config)
+    served = ServedGroups.of(kv_cache_config)
+    every_group = served.engine_group_ids == tuple(range(served.num_engine_groups))
     return EngineFacts(
         model_groups=model_groups,
         alignment_tokens=int(alignment or model_groups.scheduler_block_size),
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        pp_size=int(vllm_config.parallel_config.pipeline_parallel_size),
         use_eagle=use_eagle,
         eagle_group_ids=eagle_groups,
-        handoff_group_ids=handoff_groups(kv_cache_config),
+        handoff_group_ids=served.ours(sorted(handoff_groups(kv_cache_config))),
+        engine_group_ids=() if every_group else served.engine_group_ids,
         engine_key=engine_key,
     )
 
@@ -258,7 +283,8 @@ def eagle_drafting(vllm_config: Any, kv_cache_config: Any) -> tuple[bool, frozen
     use_eagle = bool(drop() if callable(drop) else spec.use_eagle())
     if not use_eagle:
         return False, frozenset()
+    served = ServedGroups.of(kv_cache_config)
     groups = kv_cache_config.kv_cache_groups
-    flagged = frozenset(i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False))
+    flagged = [i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False)]
     # vLLM flags every group when none is flagged (a separate draft model's layers).
-    return True, flagged or frozenset(range(len(groups)))
+    return True, served.ours(flagged or range(len(groups)))

@@ -15,8 +15,9 @@ from pydantic.dataclasses import dataclass
 from hybridkv.schema import CONFIG, ByteSize, UserPath
 from hybridkv.tiers.base import TierMedium, TierReach
 from hybridkv.tiers.config import LoadWeight, TierConfigBase
-from hybridkv.tiers.disk.paths import DiskPaths, TpRank
+from hybridkv.tiers.disk.paths import DiskPaths
 from hybridkv.tiers.disk.segments import PAGE
+from hybridkv.tiers.ranks import WorkerRank
 
 if TYPE_CHECKING:
     from hybridkv.tiers.disk.tier import DiskTier
@@ -53,8 +54,9 @@ class DiskConfig(TierConfigBase):
         Field(
             description=(
                 "directory of the cache, created 0700; refused if another user owns it or "
-                "group or others can write it; with tensor parallel > 1 each rank uses its "
-                "subdirectory tp<rank>of<size>"
+                "group or others can write it; with several ranks each uses its subdirectory "
+                "tp<rank>of<size> (pp<stage>of<stages>-tp<rank>of<size> with pipeline "
+                "parallel)"
             )
         ),
     ]
@@ -95,7 +97,7 @@ class DiskConfig(TierConfigBase):
     read_only: Annotated[
         StrictBool, Field(description="never write: follow what the directory's writer stores")
     ] = False
-    rank: TpRank | None = dataclasses.field(default=None, init=False)
+    rank: WorkerRank | None = dataclasses.field(default=None, init=False)
     """Set by ``for_rank``, never by users: the rank whose own directory inside ``path``
     the tier uses (``DiskPaths``)."""
 
@@ -127,12 +129,12 @@ class DiskConfig(TierConfigBase):
     def lookup_only(self) -> Self:
         return self._copy(rank=self.rank, read_only=True)
 
-    def for_rank(self, tp_rank: int, tp_size: int) -> Self:
-        if tp_size == 1:
+    def for_rank(self, rank: WorkerRank) -> Self:
+        if rank.world_size == 1:
             return self
-        return self._copy(rank=TpRank(tp_rank, tp_size), read_only=self.read_only)
+        return self._copy(rank=rank, read_only=self.read_only)
 
-    def _copy(self, *, rank: TpRank | None, read_only: bool) -> Self:
+    def _copy(self, *, rank: WorkerRank | None, read_only: bool) -> Self:
         """``rank`` is no constructor argument (users never set it), so
         ``dataclasses.replace`` alone would drop it."""
         copied = dataclasses.replace(self, read_only=read_only)

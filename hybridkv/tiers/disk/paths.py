@@ -1,8 +1,9 @@
 """Where a disk tier keeps its files: its directory and every name in it.
 
-Any process; no I/O. The directory is the configured ``path``, or, for a
-tensor-parallel rank, the rank's own ``tp<rank>of<size>`` inside it
-(``DiskConfig.for_rank``). In it: segment files ``<seq:016x>.seg``
+Any process; no I/O. The directory is the configured ``path``, or, for one of
+several ranks, the rank's own directory inside it, named by its label
+(``tp<rank>of<size>``, ``pp<stage>of<stages>-tp<rank>of<size>`` with pipeline
+parallel; ``DiskConfig.for_rank``). In it: segment files ``<seq:016x>.seg``
 (``disk.segments``), temporary files a segment is prepared under, the
 writer's ``writer.lock`` and the ``quarantine/`` directory.
 """
@@ -12,19 +13,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
+
+from hybridkv.tiers.ranks import WorkerRank
 
 LOCK_NAME = "writer.lock"
 QUARANTINE_NAME = "quarantine"
 TEMP_PREFIX = ".tmp."
 SEGMENT_NAME = re.compile(r"^([0-9a-f]{16})\.seg$")
-
-
-class TpRank(NamedTuple):
-    """A tensor-parallel rank, which keeps its objects in a directory of its own."""
-
-    tp_rank: int
-    tp_size: int
 
 
 @dataclass(frozen=True)
@@ -33,7 +29,7 @@ class DiskPaths:
 
     configured: Path
     """The directory the configuration names."""
-    rank: TpRank | None = None
+    rank: WorkerRank | None = None
     """The rank whose directory inside ``configured`` the tier uses; None: ``configured``."""
 
     kept: ClassVar[frozenset[str]] = frozenset((LOCK_NAME, QUARANTINE_NAME))
@@ -43,7 +39,7 @@ class DiskPaths:
     def root(self) -> Path:
         if self.rank is None:
             return self.configured
-        return self.configured / f"tp{self.rank.tp_rank}of{self.rank.tp_size}"
+        return self.configured / self.rank.label
 
     @property
     def root_is_ours(self) -> bool:

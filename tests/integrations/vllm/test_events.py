@@ -42,6 +42,7 @@ from hybridkv.connector.metadata import (
     WorkerReport,
 )
 from hybridkv.integrations.vllm.events import BlockEvents, group_events
+from hybridkv.integrations.vllm.served import ServedGroups
 from hybridkv.keys import BlockHash, RequestBlockHasher
 from hybridkv.tiers.cpu import CpuConfig
 from hybridkv.tiers.disk.config import DiskConfig
@@ -111,7 +112,7 @@ def plan(req_id: str, refs: list[BlockRef], indices: range) -> StorePlan:
 
 def changes(tier_index: int, refs: list[BlockRef], stored: bool) -> WorkerReport:
     tier_changes = tuple(TierChange(tier_index, r, stored) for r in refs)
-    return WorkerReport(ranks=(RankReport(tp_rank=0, tier_changes=tier_changes),))
+    return WorkerReport(ranks=(RankReport(rank=0, tier_changes=tier_changes),))
 
 
 def block_events(num_tiers: int = 2) -> BlockEvents:
@@ -120,8 +121,11 @@ def block_events(num_tiers: int = 2) -> BlockEvents:
         DiskConfig(path="/tmp/unused", capacity_bytes=1 << 30),
         ValkeyConfig(port=6379),
     ][:num_tiers]
+    config = kv_cache_config()
     return BlockEvents(
-        group_events(kv_cache_config()), HASH_BLOCK_SIZE, [event_source(c) for c in tiers]
+        group_events(config, ServedGroups.of(config)),
+        HASH_BLOCK_SIZE,
+        [event_source(c) for c in tiers],
     )
 
 

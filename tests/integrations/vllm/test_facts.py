@@ -98,7 +98,32 @@ def test_everything_we_cannot_serve_is_refused_in_one_error() -> None:
     # Speculative blocks are served (the states come as vLLM's hand-offs).
     assert "speculative" not in message
     assert "group 2" not in message and "group 3" not in message
-    assert "dcp=2" in message and "pipeline_parallel_size=2" in message
+    # Pipeline and decode context parallel are served.
+    assert "pipeline" not in message and "context parallel" not in message
+
+
+def test_prefill_context_parallel_is_refused_naming_the_setting_and_the_fix() -> None:
+    config = kv_config(attention(FullAttentionSpec))
+    engine = engine_config()
+    # Set after building: vLLM's CPU model runner refuses it in the config's own checks.
+    engine.parallel_config.prefill_context_parallel_size = 2
+    with pytest.raises(ValueError) as info:
+        check_engine(engine, config)
+    message = str(info.value)
+    assert "(prefill_context_parallel_size=2) is not supported; use 1" in message, message
+
+
+def test_a_pipeline_stage_without_layers_of_a_group_keeps_the_group_empty() -> None:
+    config = kv_config(
+        attention(SlidingWindowSpec, sliding_window=32), attention(FullAttentionSpec)
+    )
+    config.kv_cache_groups[1].layer_names = []  # vLLM's projection onto a stage without them
+    check_engine(engine_config(pipeline_parallel_size=2), config)
+    model_groups = groups_from_config(config, "m")
+    assert model_groups.groups[1].layer_names == () and model_groups.groups[1].block_bytes == 0
+    assert model_groups.groups[1].kind is GroupKind.FULL and model_groups.groups[1].block_size == 32
+    with pytest.raises(ValueError, match=r"group 1.*the group has no layers"):
+        check_engine(engine_config(), config)  # without pipeline parallel vLLM never makes one
 
 
 def test_mamba2_checkpoints_speculative_blocks_and_kda_alignment_are_served() -> None:
