@@ -24,7 +24,7 @@ from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.output import KVConnectorBlockState, NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -35,9 +35,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
+from hybridkv.connector.steps import StateHandoff
 from hybridkv.groups import GroupKind
 from hybridkv.integrations.vllm.connector import HybridKVConnector
 from hybridkv.integrations.vllm.facts import check_engine, groups_from_config
+from hybridkv.integrations.vllm.plumbing import state_handoffs
 from hybridkv.integrations.vllm.served import ServedGroups
 from hybridkv.tools.models import TinyModelKind, build_tiny_model
 
@@ -185,3 +187,18 @@ def test_only_served_groups_move_and_a_second_request_hits_them(vllm_config: Vll
         assert not kv[name].any(), f"{name}: a skipped group's layer was written"
     worker.shutdown()
     scheduler.shutdown()
+
+
+def test_state_handoffs_name_the_served_groups_by_hybridkv_ids() -> None:
+    """vLLM names a hand-off's group by its own id; a skipped group's hand-offs are left
+    out and a served group's carry hybridkv's id, or a state would be stored under
+    another group's key."""
+    served = ServedGroups.of(kv_cache_config())  # vLLM's groups 1 and 4 are ours 0 and 1
+    output = SchedulerOutput.make_empty()
+    output.kv_connector_block_state = KVConnectorBlockState(
+        req_ids={"a", "b"},
+        resolve_block_ids=lambda req_id: ([], [], [], [], []),
+        boundary_state_offloads={"a": [(4, 11, 32), (0, 12, 32), (1, 13, 16)], "b": [(2, 14, 16)]},
+    )
+    handoffs = state_handoffs(output, served)
+    assert handoffs == {"a": (StateHandoff(1, 11, 32), StateHandoff(0, 13, 16))}
