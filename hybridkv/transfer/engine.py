@@ -118,8 +118,10 @@ class TransferEngine(TierWorker):
         """Before the engine writes ``block_ids`` again: make sure no store still copies
         them out (of any group: groups may share a block's memory, as vLLM's hybrid
         allocator lays them out). On CUDA the calling thread's current stream waits
-        for those copies (the host does not); elsewhere the call returns once they
-        are done. Returns how many store jobs it waited for."""
+        for those copies (the host waits only until the copy thread has enqueued
+        them, and never past the deadline of a store it has not taken); elsewhere
+        the call returns once they are done. Returns how many store jobs it waited
+        for."""
         wanted = set(block_ids)
         with self._ledger.lock:
             pending = [
@@ -131,7 +133,7 @@ class TransferEngine(TierWorker):
                 and not wanted.isdisjoint(job.block_ids)
             ]
         for job in pending:
-            job.enqueued.wait()
+            self._wait_enqueued(job)
             mark = job.copies_mark
             if self.copier.is_asynchronous:
                 self.copier.hold_compute(mark)
@@ -140,6 +142,19 @@ class TransferEngine(TierWorker):
         with self._ledger.lock:
             self._ledger.stats.fences += len(pending)
         return len(pending)
+
+    def _wait_enqueued(self, job: Job) -> None:
+        """Until the copy thread has enqueued a store's copies, or the store is given
+        up on (its copies then never run, and its ``copies_mark`` stays None). A store
+        the copy thread has not taken by its deadline is given up on here, so the host
+        never waits past it for a copy thread that is stuck; one it has taken is
+        enqueued in the time that takes."""
+        while not job.enqueued.wait(self._ledger.time_left(job)):
+            with self._ledger.lock:
+                self._ledger.expire(time.monotonic())
+                if job.state is not JobState.QUEUED:
+                    break
+        job.enqueued.wait()
 
     def submit_load(
         self, parts: Sequence[TransferPart], *, timeout_s: float | None = None

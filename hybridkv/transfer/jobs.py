@@ -131,7 +131,8 @@ class Job:
     copies_mark: object = None
     """Done when its copies are (CUDA: an event); None once they are done."""
     enqueued: threading.Event = field(default_factory=threading.Event)
-    """Set once ``copies_mark`` is valid: the copies are enqueued (CUDA) or done."""
+    """Set once ``copies_mark`` is valid: the copies are enqueued (CUDA) or done, or
+    the job was given up on before they started (they never run; the mark stays None)."""
     staged_statuses: list[GetStatus] | None = None
     """A load's answers for the blocks read into staging (the others came in place)."""
 
