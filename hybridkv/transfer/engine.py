@@ -34,7 +34,7 @@ import time
 from collections.abc import Collection, Sequence
 
 from hybridkv.layout import CanonicalKVCaches
-from hybridkv.tiers.base import PutStatus, Tier
+from hybridkv.tiers.base import PutStatus, Tier, TierMemory
 from hybridkv.transfer.copier import BlockCopier
 from hybridkv.transfer.in_place import InPlaceCopies, StartedStore
 from hybridkv.transfer.jobs import (
@@ -50,12 +50,16 @@ from hybridkv.transfer.jobs import (
 )
 from hybridkv.transfer.ledger import JobLedger
 from hybridkv.transfer.moves import JobMoves
+from hybridkv.transfer.pinning import HostMemory, pageable_problem
 from hybridkv.transfer.placement import StagingPlacement
 from hybridkv.transfer.staging import PHASE_BYTES, StagingArena
 from hybridkv.transfer.stats import TransferStats
 from hybridkv.transfer.tier_worker import TierWorker
 
 logger = logging.getLogger(__name__)
+
+CPU_PIN = "set the cpu tier's pin_memory to true, or leave it null (pinned on CUDA)"
+STAGING_PIN = "set TransferConfig.pin_memory to true, or leave it null (pinned on CUDA)"
 
 
 class TransferEngine(TierWorker):
@@ -84,6 +88,8 @@ class TransferEngine(TierWorker):
         # On CPU the staging rows share the caches' offset within a page (see staging).
         phase = 0 if pin else caches.tensors[0].data_ptr() % PHASE_BYTES // 8 * 8
         self.arena = StagingArena(self.config.staging_bytes, pin_memory=pin, address_phase=phase)
+        if caches.device.type == "cuda":
+            self._warn_if_pageable(memory)
         room_bytes = tier.register_staging(self.arena.array)
         self.placement = StagingPlacement(self.arena, self.copier, room_bytes)
         self.moves = JobMoves(tier, self.copier, self.placement, self.in_place)
@@ -104,6 +110,14 @@ class TransferEngine(TierWorker):
             )
         for worker in self._workers:
             worker.start()
+
+    def _warn_if_pageable(self, memory: TierMemory | None) -> None:
+        regions = [HostMemory("the staging arena", self.arena.tensor.is_pinned(), STAGING_PIN)]
+        if memory is not None:
+            regions.append(HostMemory("the cpu tier's arena", memory.memory.is_pinned(), CPU_PIN))
+        problem = pageable_problem(self.caches.device.type, regions)
+        if problem is not None:
+            logger.warning("hybridkv: %s", problem)
 
     # ---- submit / poll -------------------------------------------------------------
 
