@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from hybridkv.connector.card import publish_card
 from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.exit_flush import flush_at_exit
 from hybridkv.connector.lookup import KeyLookup, LookupView, TierSlice
 from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.sightings import MarksSightings
@@ -186,7 +187,7 @@ def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -
         raise ValueError(f"tp_rank={tp_rank} is not a rank of tensor_parallel_size={facts.tp_size}")
     store = build_store(config.for_rank(tp_rank, facts.tp_size), config)
     lower_switch_interval(config.thread_switch_interval_s)
-    return ConnectorWorker(
+    worker = ConnectorWorker(
         facts.model_groups,
         store,
         tp_rank=tp_rank,
@@ -195,7 +196,10 @@ def build_worker(config: ConnectorConfig, facts: EngineFacts, *, tp_rank: int) -
             load_timeout_s=config.load_timeout_s, device_chunk_bytes=config.device_chunk_bytes
         ),
         eviction_order=config.eviction_order,
+        close_timeout_s=config.exit_flush_timeout_s,
     )
+    flush_at_exit(worker)
+    return worker
 
 
 def lower_switch_interval(interval_s: float | None) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.connector.exit_flush import close_worker
 from hybridkv.connector.metadata import (
     BlockRef,
     BlockTransfer,
@@ -61,6 +62,7 @@ from hybridkv.transfer import (
 logger = logging.getLogger(__name__)
 
 JOB_SHARE = 4
+DEFAULT_CLOSE_TIMEOUT_S = 30.0
 """A job takes at most 1/JOB_SHARE of the staging arena, so several fit at once."""
 
 
@@ -99,8 +101,12 @@ class ConnectorWorker:
         tp_size: int = 1,
         transfer_config: TransferConfig | None = None,
         eviction_order: EvictionOrder = EvictionOrder.CHAIN,
+        close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
     ) -> None:
         self.model_groups = model_groups
+        self.close_timeout_s = close_timeout_s
+        """How long ``close`` waits for stores and write-back (``connector.exit_flush``)."""
+        self._closed = False
         self.store = store
         self.tp_rank = tp_rank
         self.keys = KeyBuilder(
@@ -214,9 +220,7 @@ class ConnectorWorker:
 
     def poll(self) -> WorkerReport:
         """Collect finished jobs; report loads that are complete and blocks stored."""
-        if self.engine is not None:
-            for result in self.engine.poll_finished():
-                self._on_result(result)
+        self.collect_results()
         now = time.monotonic()
         self._submit_waiting(now)
         for req_id, load in list(self._loads.items()):
@@ -228,6 +232,13 @@ class ConnectorWorker:
         self._touch_chains()
         self._take_tier_changes()
         return WorkerReport(ranks=(self._report.take(),))
+
+    def collect_results(self) -> int:
+        """Take the transfer engine's results; the blocks of stores still running."""
+        if self.engine is not None:
+            for result in self.engine.poll_finished():
+                self._on_result(result)
+        return self._storing.total()
 
     def _touch_chains(self) -> None:
         """Each request whose blocks were stored or loaded since the last poll: all of its
@@ -269,9 +280,11 @@ class ConnectorWorker:
             self.chains.check_integrity()
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        self.store.close()
+        """Let stores and write-back finish for up to ``close_timeout_s``, count what they
+        leave (``unflushed_blocks``), stop. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            close_worker(self, self.close_timeout_s)
 
     # --- internals ---------------------------------------------------------------
 
