@@ -24,7 +24,6 @@ import os
 import signal
 import threading
 import time
-import weakref
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -33,14 +32,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_live: weakref.WeakSet[ConnectorWorker] = weakref.WeakSet()
-_lock = threading.Lock()
+_live: set[ConnectorWorker] = set()
+"""Workers to close at exit; held until closed, so one its engine dropped without a
+shutdown still flushes."""
+_lock = threading.RLock()  # the SIGTERM handler may interrupt a holder on its own thread
 _installed = False
 
 
 def close_worker(worker: ConnectorWorker, timeout_s: float) -> None:
     """Wait up to ``timeout_s`` for the worker's stores and then its write-back, count
     the blocks neither finished, and stop its transfer engine and tiers."""
+    with _lock:
+        _live.discard(worker)
     end = time.monotonic() + timeout_s
     unstored = 0
     engine = worker.engine
@@ -65,7 +68,7 @@ def close_worker(worker: ConnectorWorker, timeout_s: float) -> None:
 
 def flush_at_exit(worker: ConnectorWorker) -> None:
     """Close ``worker`` (``ConnectorWorker.close``) at interpreter exit or on SIGTERM,
-    unless it was closed before."""
+    unless it was closed before (it is kept until then)."""
     global _installed
     with _lock:
         _live.add(worker)
@@ -77,7 +80,9 @@ def flush_at_exit(worker: ConnectorWorker) -> None:
 
 
 def _close_all() -> None:
-    for worker in list(_live):
+    with _lock:
+        workers = list(_live)
+    for worker in workers:
         try:
             worker.close()
         except Exception:  # one worker's failure must not keep the others from flushing
@@ -95,7 +100,8 @@ def _take_sigterm() -> None:
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     # The interrupted thread may hold a lock the flush needs: flush on a thread of its
     # own and wait for it no longer than the workers' bounds, then die as SIGTERM would.
-    bound = max((worker.close_timeout_s for worker in list(_live)), default=0.0)
+    with _lock:
+        bound = max((worker.close_timeout_s for worker in _live), default=0.0)
     closer = threading.Thread(target=_close_all, name="hybridkv-exit-flush", daemon=True)
     closer.start()
     closer.join(bound + 1.0)

@@ -1,4 +1,5 @@
-"""Closing a worker lets its write-back finish, up to its bound, and counts what it left.
+"""Closing a worker lets its write-back finish, up to its bound, and counts what it left;
+a process that ends without closing it (it returns, or gets SIGTERM) closes it first.
 
 Scheduler + worker on a real CPU tier in front of a real disk tier whose writes
 wait at a gate, so the write-back of a request's blocks is still queued when
@@ -9,10 +10,15 @@ every block it did not write.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import pytest
 
 from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.groups import GroupKind
@@ -31,6 +37,7 @@ from tests.support.connector import (
 from tests.support.sim import SimEngine, make_groups
 
 GATE_S = 10.0
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class GatedDiskTier(DiskTier):
@@ -88,3 +95,21 @@ def test_closing_stops_at_its_bound_and_counts_every_block_left(tmp_path: Path) 
     worker.close()  # once closed, closing again does nothing
     assert worker.stats.unflushed_blocks == len(keys)
     assert not any(on_disk(make_config(tmp_path), keys))
+
+
+@pytest.mark.parametrize("how", ["return", "sigterm"])
+def test_a_process_ending_without_close_writes_back_first(tmp_path: Path, how: str) -> None:
+    """At interpreter exit, or on a SIGTERM nothing else handles, the worker is closed
+    first: its write-back, held back for a second, reaches the disk."""
+    ended = subprocess.run(
+        [sys.executable, "-m", "tests.connector.exit_script", str(tmp_path), how],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    expected = 0 if how == "return" else -signal.SIGTERM
+    assert ended.returncode == expected, ended.stderr[-3000:]
+    keys = [StoreKey(line) for line in ended.stdout.splitlines()]
+    assert keys
+    assert on_disk(make_config(tmp_path), keys) == [True] * len(keys)
