@@ -3,12 +3,14 @@ loaded from its cache) when the engine starts, before the first request.
 
 One driver process with an empty numba cache (a fresh install) runs real vLLM
 with hybridkv over a small CPU tier (it evicts; ``second_chance`` passes read
-objects over) and a small disk tier: prompts computed and stored, their
-write-back to disk, hits from the CPU tier, then a second engine in the same
-process (an empty CPU tier) hitting from disk. The numba functions compiled,
-with the argument types of each, are read right after each engine starts and
-again after its requests: serving adds none. Compiling one while serving
-holds the interpreter for seconds, which every request then waits for.
+objects over) and a small disk tier, with admission ``reused`` (the
+scheduler's table of hashes seen) and eviction order ``worth``: prompts
+computed and stored, their write-back to disk, hits from the CPU tier, then a
+second engine in the same process (an empty CPU tier) hitting from disk. The
+numba functions compiled, with the argument types of each, are read right
+after each engine starts and again after its requests: serving adds none.
+Compiling one while serving holds the interpreter for seconds, which every
+request then waits for.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def test_serving_compiles_no_native_function(harness: Harness, tmp_path: Any) ->
         "tiers": [
             {"kind": "cpu", "capacity_bytes": "1MiB", "second_chance": True},
             {"kind": "disk", "path": str(disk), "capacity_bytes": "4MiB"},
-        ]
+        ],
+        "eviction_order": "worth",
+        "admission": "reused",
     }
     first = [
         NATIVE_AT_START,
