@@ -64,6 +64,7 @@ logger = logging.getLogger(__name__)
 JOB_SHARE = 4
 """A job takes at most 1/JOB_SHARE of the staging arena, so several fit at once."""
 DEFAULT_CLOSE_TIMEOUT_S = 30.0
+"""How long ``close`` waits by default (the connector passes ``exit_flush_timeout_s``)."""
 
 
 class ConnectorWorker:
