@@ -178,6 +178,22 @@ class ConnectorConfig:
         ),
     ] = DEFAULT_SWITCH_INTERVAL_S
 
+    exit_flush_timeout_s: Annotated[
+        Number,
+        Field(
+            ge=0,
+            allow_inf_nan=False,
+            description=(
+                "when a worker ends (the engine's shutdown, the interpreter's exit of a script "
+                "that returns without it, or a SIGTERM nothing else handles), how long it "
+                "waits for stores still copying and for the write-back to the slower tiers "
+                "(disk, pool) before it stops; what is left is counted in unflushed_blocks "
+                "and logged; 0: stop at once (vLLM's multi-process engine kills its "
+                "processes about 5 s after asking them to stop, whatever this is)"
+            ),
+        ),
+    ] = 30.0
+
     def __post_init__(self) -> None:
         if self.tiers is not None and not self.tiers:
             raise ValueError(

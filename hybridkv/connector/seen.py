@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.keys import BlockHash
+from hybridkv.tiers import digest_table
 from hybridkv.tiers.digest_table import NONE, DigestTable, digest_words
 
 Levels = npt.NDArray[np.uint8]
@@ -31,6 +32,9 @@ class SeenHashes:
         if capacity <= 0:
             raise ValueError(f"capacity={capacity}: must be > 0")
         self.capacity = capacity
+        # Compiled (or loaded) now, not at the first request: a scheduler in a process
+        # of its own may open no tier that would have done it.
+        digest_table.warm_up()
         self._table = DigestTable()
         self._table.reserve(capacity)
         self._levels: Levels = np.zeros(capacity, np.uint8)

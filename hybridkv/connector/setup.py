@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from hybridkv.connector.card import publish_card
 from hybridkv.connector.config import ConnectorConfig
+from hybridkv.connector.exit_flush import flush_at_exit
 from hybridkv.connector.lookup import KeyLookup, LookupView, TierSlice
 from hybridkv.connector.ranks import EngineRanks
 from hybridkv.connector.scheduler import ConnectorScheduler
@@ -218,7 +219,7 @@ def build_worker(
         )
     store = build_store(config.for_rank(rank), config)
     lower_switch_interval(config.thread_switch_interval_s)
-    return ConnectorWorker(
+    worker = ConnectorWorker(
         facts.model_groups,
         store,
         rank=rank,
@@ -226,7 +227,10 @@ def build_worker(
             load_timeout_s=config.load_timeout_s, device_chunk_bytes=config.device_chunk_bytes
         ),
         eviction_order=config.eviction_order,
+        close_timeout_s=config.exit_flush_timeout_s,
     )
+    flush_at_exit(worker)
+    return worker
 
 
 def lower_switch_interval(interval_s: float | None) -> None:

@@ -71,6 +71,10 @@ class WorkerStats:
     load_store_waits: int = counter(
         "Load parts that waited for the store of their blocks (read-your-writes)"
     )
+    unflushed_blocks: int = counter(
+        "Blocks the worker ended without (shutdown, exit, SIGTERM): stores still copying "
+        "and write-backs to the slower tiers still queued when exit_flush_timeout_s ran out"
+    )
     unexported_load_seconds: list[float] = histogram(
         list, "Seconds from a load's start to its last block", name="load_seconds"
     )

@@ -27,10 +27,10 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from hybridkv.connector.exit_flush import close_worker
 from hybridkv.connector.metadata import (
     BlockRef,
     BlockTransfer,
@@ -45,6 +45,7 @@ from hybridkv.connector.recency import ChainRecency, EvictionOrder
 from hybridkv.connector.report import ReportBuilder
 from hybridkv.connector.stats import WorkerStats
 from hybridkv.connector.worker_admission import WorkerAdmission
+from hybridkv.connector.worker_parts import Load, Part, pack, refs_of
 from hybridkv.connector.worth import ChainWorth
 from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace
@@ -65,29 +66,8 @@ logger = logging.getLogger(__name__)
 
 JOB_SHARE = 4
 """A job takes at most 1/JOB_SHARE of the staging arena, so several fit at once."""
-
-
-@dataclass
-class _Part:
-    """One transfer job's blocks of one group, with the names the scheduler gave them."""
-
-    part: TransferPart
-    refs: tuple[BlockRef, ...]
-    req_id: str
-    waited_for_store: bool = False
-
-
-@dataclass(kw_only=True)
-class _Load:
-    plan: LoadPlan
-    started: float
-    parts: list[_Part]
-    """Jobs not submitted yet (staging full, or a store of their blocks in flight)."""
-    jobs: set[JobId] = field(default_factory=set)
-    failed: dict[int, list[int]] = field(default_factory=dict)
-    outcome: LoadOutcome = LoadOutcome.OK
-    landed: float | None = None
-    """When its last finished job was reported by the transfer engine."""
+DEFAULT_CLOSE_TIMEOUT_S = 30.0
+"""How long ``close`` waits by default (the connector passes ``exit_flush_timeout_s``)."""
 
 
 class ConnectorWorker:
@@ -101,8 +81,12 @@ class ConnectorWorker:
         rank: WorkerRank | None = None,
         transfer_config: TransferConfig | None = None,
         eviction_order: EvictionOrder = EvictionOrder.CHAIN,
+        close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
     ) -> None:
         self.model_groups = model_groups
+        self.close_timeout_s = close_timeout_s
+        """How long ``close`` waits for stores and write-back (``connector.exit_flush``)."""
+        self._closed = False
         self.store = store
         self.rank = rank or WorkerRank()
         """None: the one rank of an engine without tensor or pipeline parallel."""
@@ -114,9 +98,9 @@ class ConnectorWorker:
         self.stats = WorkerStats.for_groups(model_groups.num_groups)
         self.caches: CanonicalKVCaches | None = None
         self.engine: TransferEngine | None = None
-        self._loads: dict[str, _Load] = {}
-        self._job_loads: dict[JobId, tuple[str, _Part]] = {}
-        self._job_stores: dict[JobId, tuple[_Part, ...]] = {}
+        self._loads: dict[str, Load] = {}
+        self._job_loads: dict[JobId, tuple[str, tuple[Part, ...]]] = {}
+        self._job_stores: dict[JobId, tuple[Part, ...]] = {}
         self._storing: Counter[StoreKey] = Counter()
         """Keys of store jobs in flight (a load of them waits)."""
         self._admission = WorkerAdmission(model_groups, self.keys, store)
@@ -169,7 +153,7 @@ class ConnectorWorker:
         for plan in loads:
             outcome = LoadOutcome.OK if plan.planned else LoadOutcome.UNPLANNED
             parts = self._split(plan.req_id, plan.transfers, tier_index=plan.tier_index)
-            load = _Load(plan=plan, started=now, parts=parts, outcome=outcome)
+            load = Load(plan=plan, started=now, parts=parts, outcome=outcome)
             self._loads[plan.req_id] = load
         self._submit_waiting(now)
 
@@ -178,17 +162,18 @@ class ConnectorWorker:
         engine = self._engine()
         for plan in stores:
             transfers = (*plan.transfers, *self._evicted(plan.refresh))
-            for p in self._split(plan.req_id, transfers):
-                counts = self.stats.groups[p.part.group_id]
-                job_id = engine.submit_store((p.part,))
-                if job_id is None:
-                    counts.store_dropped_blocks += len(p.refs)
-                    self._report.dropped += p.refs
-                    continue
-                self._job_stores[job_id] = (p,)
-                self._storing.update(p.part.keys)
-                if self.chains is not None:
-                    self.chains.start_store(plan.req_id)
+            for parts in self._pack(self._split(plan.req_id, transfers)):
+                job_id = engine.submit_store(tuple(p.part for p in parts))
+                for p in parts:
+                    if job_id is None:
+                        self.stats.groups[p.part.group_id].store_dropped_blocks += len(p.refs)
+                        self._report.dropped += p.refs
+                        continue
+                    self._storing.update(p.part.keys)
+                    if self.chains is not None:
+                        self.chains.start_store(plan.req_id)
+                if job_id is not None:
+                    self._job_stores[job_id] = tuple(parts)
 
     def _evicted(self, refresh: Sequence[BlockTransfer]) -> list[BlockTransfer]:
         """Of blocks to store again (``StorePlan.refresh``), those the first tier no
@@ -221,9 +206,7 @@ class ConnectorWorker:
 
     def poll(self) -> WorkerReport:
         """Collect finished jobs; report loads that are complete and blocks stored."""
-        if self.engine is not None:
-            for result in self.engine.poll_finished():
-                self._on_result(result)
+        self.collect_results()
         now = time.monotonic()
         self._submit_waiting(now)
         for req_id, load in list(self._loads.items()):
@@ -235,6 +218,13 @@ class ConnectorWorker:
         self._touch_chains()
         self._take_tier_changes()
         return WorkerReport(ranks=(self._report.take(),))
+
+    def collect_results(self) -> int:
+        """Take the transfer engine's results; the blocks of stores still running."""
+        if self.engine is not None:
+            for result in self.engine.poll_finished():
+                self._on_result(result)
+        return self._storing.total()
 
     def _touch_chains(self) -> None:
         """Each request whose blocks were stored or loaded since the last poll: all of its
@@ -276,9 +266,11 @@ class ConnectorWorker:
             self.chains.check_integrity()
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        self.store.close()
+        """Let stores and write-back finish for up to ``close_timeout_s``, count what they
+        leave (``unflushed_blocks``), stop. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            close_worker(self, self.close_timeout_s)
 
     # --- internals ---------------------------------------------------------------
 
@@ -289,13 +281,13 @@ class ConnectorWorker:
 
     def _split(
         self, req_id: str, transfers: Sequence[BlockTransfer], *, tier_index: int | None = None
-    ) -> list[_Part]:
-        """Jobs of at most one part per group and 1/JOB_SHARE of the staging arena; a
-        load's parts name the tier it reads from (None: the cheapest holding each block).
-        The request's chain learns every block. Groups this rank holds no layer of have
-        none."""
-        limit = max(self._engine().max_job_bytes // JOB_SHARE, 1)
-        parts: list[_Part] = []
+    ) -> list[Part]:
+        """Parts of one group's blocks, each at most 1/JOB_SHARE of the staging arena
+        (``_pack`` puts them into jobs); a load's parts name the tier it reads from
+        (None: the cheapest holding each block). The request's chain learns every block.
+        Groups this rank holds no layer of have none."""
+        limit = self._job_limit()
+        parts: list[Part] = []
         for t in transfers:
             if t.group_id not in self.held:
                 continue
@@ -307,7 +299,7 @@ class ConnectorWorker:
                 indices = t.block_indices[start : start + per_job]
                 part = TransferPart(t.group_id, block_ids, keys, tier_index)
                 refs = tuple(BlockRef(t.group_id, h) for h in hashes)
-                parts.append(_Part(part, refs, req_id))
+                parts.append(Part(part, refs, req_id))
                 if self.chains is not None:
                     self.chains.add(req_id, t.group_id, indices, keys)
         return parts
@@ -316,39 +308,57 @@ class ConnectorWorker:
         for load in list(self._loads.values()):
             self._submit_load_parts(load, now)
 
-    def _submit_load_parts(self, load: _Load, now: float) -> None:
+    def _submit_load_parts(self, load: Load, now: float) -> None:
         engine = self._engine()
         while load.parts and load.outcome is LoadOutcome.OK:
-            waiting = load.parts[0]
-            part = waiting.part
-            if any(key in self._storing for key in part.keys):
-                # Read-your-writes: load once the store of these blocks is done.
-                if not waiting.waited_for_store:
-                    waiting.waited_for_store = True
-                    self.stats.load_store_waits += 1
+            ready = self._unstoring(load.parts)
+            if not ready:
                 return
+            parts = self._pack(ready)[0]
             deadline = load.started + (self.transfer_config.load_timeout_s or float("inf"))
-            engine.fence(part.block_ids)  # a block a store still copies out
-            job_id = engine.submit_load((part,), timeout_s=max(deadline - now, 1e-3))
+            engine.fence([b for p in parts for b in p.part.block_ids])  # still copied out?
+            job = tuple(p.part for p in parts)
+            job_id = engine.submit_load(job, timeout_s=max(deadline - now, 1e-3))
             if job_id is None:
                 return  # staging full: retry later
-            load.parts.pop(0)
+            del load.parts[: len(parts)]
             load.jobs.add(job_id)
-            self._job_loads[job_id] = (load.plan.req_id, waiting)
+            self._job_loads[job_id] = (load.plan.req_id, tuple(parts))
 
-    def _drop_parts(self, load: _Load) -> None:
+    def _unstoring(self, parts: list[Part]) -> list[Part]:
+        """The parts before the first whose blocks a store of this worker still writes
+        (read-your-writes: that one loads once the store is done)."""
+        for i, p in enumerate(parts):
+            if any(key in self._storing for key in p.part.keys):
+                if not p.waited_for_store:
+                    p.waited_for_store = True
+                    self.stats.load_store_waits += 1
+                return parts[:i]
+        return parts
+
+    def _pack(self, parts: list[Part]) -> list[list[Part]]:
+        """Parts into jobs, a request's groups together (``worker_parts.pack``)."""
+        return pack(parts, self._block_bytes, self._job_limit())
+
+    def _block_bytes(self, group_id: int) -> int:
+        return self.model_groups.groups[group_id].block_bytes
+
+    def _job_limit(self) -> int:
+        return max(self._engine().max_job_bytes // JOB_SHARE, 1)
+
+    def _drop_parts(self, load: Load) -> None:
         """Forget jobs never submitted."""
         load.parts.clear()
 
-    def _expired(self, load: _Load, now: float) -> bool:
+    def _expired(self, load: Load, now: float) -> bool:
         timeout = self.transfer_config.load_timeout_s
         return bool(load.parts) and timeout is not None and now - load.started > timeout
 
     def _on_result(self, result: JobResult) -> None:
         loading = self._job_loads.pop(result.job_id, None)
         if loading is not None:
-            req_id, part = loading
-            self._on_load_result(self._loads[req_id], part, result)
+            req_id, load_parts = loading
+            self._on_load_result(self._loads[req_id], load_parts, result)
             return
         parts = self._job_stores.pop(result.job_id, ())
         for p in parts:
@@ -357,8 +367,8 @@ class ConnectorWorker:
                 self.chains.end_store(p.req_id)
             counts = self.stats.groups[p.part.group_id]
             block_bytes = self.model_groups.groups[p.part.group_id].block_bytes
-            stored = _refs_of(p, result.ok_block_ids)
-            failed = _refs_of(p, result.failed_block_ids)
+            stored = refs_of((p,), result.ok_block_ids)
+            failed = refs_of((p,), result.failed_block_ids)
             counts.stored_blocks += len(stored)
             counts.stored_bytes += len(stored) * block_bytes
             counts.store_dropped_blocks += len(failed)
@@ -367,7 +377,7 @@ class ConnectorWorker:
         self._storing = +self._storing  # drop zero counts
         self._admission.stored([key for p in parts for key in p.part.keys], self._storing)
 
-    def _on_load_result(self, load: _Load, part: _Part, result: JobResult) -> None:
+    def _on_load_result(self, load: Load, parts: tuple[Part, ...], result: JobResult) -> None:
         load.jobs.discard(result.job_id)
         load.landed = max(load.landed or result.finished_at, result.finished_at)
         for group_id, ids in result.failed_block_ids.items():
@@ -377,11 +387,11 @@ class ConnectorWorker:
             load.outcome = LoadOutcome.TIMED_OUT
         elif not result.ok and load.outcome is LoadOutcome.OK:
             load.outcome = LoadOutcome.FAILED
-        failed = _refs_of(part, result.failed_block_ids)
+        failed = refs_of(parts, result.failed_block_ids)
         if load.outcome is LoadOutcome.FAILED:
             self._report.missing += failed  # lookups stop offering them
 
-    def _finish(self, req_id: str, load: _Load, now: float) -> None:
+    def _finish(self, req_id: str, load: Load, now: float) -> None:
         del self._loads[req_id]
         plan = load.plan
         failed = [tuple(load.failed.get(g, ())) for g in range(self.model_groups.num_groups)]
@@ -412,8 +422,3 @@ class ConnectorWorker:
             counts.load_failed_blocks += num_failed
         if load.outcome is LoadOutcome.OK and plan.tier_index is not None:
             self.store.record_hit_tokens(plan.tier_index, plan.num_tokens - plan.base_tokens)
-
-
-def _refs_of(p: _Part, block_ids: Mapping[int, Sequence[int]]) -> tuple[BlockRef, ...]:
-    wanted = set(block_ids.get(p.part.group_id, ()))
-    return tuple(ref for ref, b in zip(p.refs, p.part.block_ids, strict=True) if b in wanted)

@@ -32,6 +32,7 @@ calls from interleaving on the shared chunk.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -46,6 +47,8 @@ from hybridkv.layout import CanonicalKVCaches
 
 if TYPE_CHECKING:
     from hybridkv.transfer.span_kernel import SpanTable
+
+logger = logging.getLogger(__name__)
 
 DEVICE_CHUNK_BYTES = 32 << 20
 """Default size of the one device buffer a copier allocates."""
@@ -160,6 +163,32 @@ class ChunkedCopies:
         if self.device.type == "cuda":
             self._side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self._lock = threading.Lock()
+
+    def warm_up(self) -> None:
+        """Compile (or load) the span kernel now, not on the copy thread during the first
+        stores: each group's block 0 goes into the chunk and back, both ways, with its
+        ids at both alignments a piece's ids start at, its spans in the rounds a scatter
+        uses. The cache's bytes are unchanged. Where the kernel fails, copies go one op
+        per span instead (a warning says why)."""
+        if not self.fused:
+            return
+        ids = torch.zeros(2, dtype=torch.int64, device=self.device)
+        half = self._halves[0]
+        try:
+            for group_id, table in enumerate(self._tables):
+                pitch = self.caches.model_groups.groups[group_id].block_bytes
+                rounds = [slice(None)]
+                if self._span_order[group_id]:
+                    rounds = [slice(i, i + 1) for i in range(len(self._spans[group_id]))]
+                for part in (ids[:1], ids[1:]):
+                    table.copy(part, half, pitch, to_cache=False)
+                    for spans in rounds:
+                        table.copy(part, half, pitch, to_cache=True, spans=spans)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:  # the per-span path still moves every block
+            logger.warning("hybridkv: the span kernel failed (%r); copying one op per span", exc)
+            self.fused = False
 
     def gather(
         self,

@@ -112,6 +112,7 @@ class BlockCopier:
         self._native: ModuleType | None = None
         if self.chunked:
             self._chunks = ChunkedCopies(caches, chunk_bytes)
+            self._chunks.warm_up()  # compiled now, not while serving
             if self.is_cuda:
                 self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         else:

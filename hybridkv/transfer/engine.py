@@ -34,7 +34,7 @@ import time
 from collections.abc import Collection, Sequence
 
 from hybridkv.layout import CanonicalKVCaches
-from hybridkv.tiers.base import PutStatus, Tier
+from hybridkv.tiers.base import PutStatus, Tier, TierMemory
 from hybridkv.transfer.copier import BlockCopier
 from hybridkv.transfer.in_place import InPlaceCopies, StartedStore
 from hybridkv.transfer.jobs import (
@@ -50,12 +50,16 @@ from hybridkv.transfer.jobs import (
 )
 from hybridkv.transfer.ledger import JobLedger
 from hybridkv.transfer.moves import JobMoves
+from hybridkv.transfer.pinning import HostMemory, pageable_problem
 from hybridkv.transfer.placement import StagingPlacement
 from hybridkv.transfer.staging import PHASE_BYTES, StagingArena
 from hybridkv.transfer.stats import TransferStats
 from hybridkv.transfer.tier_worker import TierWorker
 
 logger = logging.getLogger(__name__)
+
+CPU_PIN = "set the cpu tier's pin_memory to true, or leave it null (pinned on CUDA)"
+STAGING_PIN = "set TransferConfig.pin_memory to true, or leave it null (pinned on CUDA)"
 
 
 class TransferEngine(TierWorker):
@@ -84,6 +88,8 @@ class TransferEngine(TierWorker):
         # On CPU the staging rows share the caches' offset within a page (see staging).
         phase = 0 if pin else caches.tensors[0].data_ptr() % PHASE_BYTES // 8 * 8
         self.arena = StagingArena(self.config.staging_bytes, pin_memory=pin, address_phase=phase)
+        if caches.device.type == "cuda":
+            self._warn_if_pageable(memory)
         room_bytes = tier.register_staging(self.arena.array)
         self.placement = StagingPlacement(self.arena, self.copier, room_bytes)
         self.moves = JobMoves(tier, self.copier, self.placement, self.in_place)
@@ -105,6 +111,14 @@ class TransferEngine(TierWorker):
         for worker in self._workers:
             worker.start()
 
+    def _warn_if_pageable(self, memory: TierMemory | None) -> None:
+        regions = [HostMemory("the staging arena", self.arena.tensor.is_pinned(), STAGING_PIN)]
+        if memory is not None:
+            regions.append(HostMemory("the cpu tier's arena", memory.memory.is_pinned(), CPU_PIN))
+        problem = pageable_problem(self.caches.device.type, regions)
+        if problem is not None:
+            logger.warning("hybridkv: %s", problem)
+
     # ---- submit / poll -------------------------------------------------------------
 
     def submit_store(
@@ -118,8 +132,10 @@ class TransferEngine(TierWorker):
         """Before the engine writes ``block_ids`` again: make sure no store still copies
         them out (of any group: groups may share a block's memory, as vLLM's hybrid
         allocator lays them out). On CUDA the calling thread's current stream waits
-        for those copies (the host does not); elsewhere the call returns once they
-        are done. Returns how many store jobs it waited for."""
+        for those copies (the host waits only until the copy thread has enqueued
+        them, and never past the deadline of a store it has not taken); elsewhere
+        the call returns once they are done. Returns how many store jobs it waited
+        for."""
         wanted = set(block_ids)
         with self._ledger.lock:
             pending = [
@@ -131,7 +147,7 @@ class TransferEngine(TierWorker):
                 and not wanted.isdisjoint(job.block_ids)
             ]
         for job in pending:
-            job.enqueued.wait()
+            self._wait_enqueued(job)
             mark = job.copies_mark
             if self.copier.is_asynchronous:
                 self.copier.hold_compute(mark)
@@ -140,6 +156,19 @@ class TransferEngine(TierWorker):
         with self._ledger.lock:
             self._ledger.stats.fences += len(pending)
         return len(pending)
+
+    def _wait_enqueued(self, job: Job) -> None:
+        """Until the copy thread has enqueued a store's copies, or the store is given
+        up on (its copies then never run, and its ``copies_mark`` stays None). A store
+        the copy thread has not taken by its deadline is given up on here, so the host
+        never waits past it for a copy thread that is stuck; one it has taken is
+        enqueued in the time that takes."""
+        while not job.enqueued.wait(self._ledger.time_left(job)):
+            with self._ledger.lock:
+                self._ledger.expire(time.monotonic())
+                if job.state is not JobState.QUEUED:
+                    break
+        job.enqueued.wait()
 
     def submit_load(
         self, parts: Sequence[TransferPart], *, timeout_s: float | None = None

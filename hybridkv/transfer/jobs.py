@@ -131,7 +131,8 @@ class Job:
     copies_mark: object = None
     """Done when its copies are (CUDA: an event); None once they are done."""
     enqueued: threading.Event = field(default_factory=threading.Event)
-    """Set once ``copies_mark`` is valid: the copies are enqueued (CUDA) or done."""
+    """Set once ``copies_mark`` is valid: the copies are enqueued (CUDA) or done, or
+    the job was given up on before they started (they never run; the mark stays None)."""
     staged_statuses: list[GetStatus] | None = None
     """A load's answers for the blocks read into staging (the others came in place)."""
 
@@ -193,6 +194,10 @@ def _tier_index_problem(tier_index: object, num_tiers: int | None) -> str | None
     return None
 
 
+_OK = frozenset((GetStatus.OK, PutStatus.OK, PutStatus.EXISTS))
+"""The answers that count a block stored (or already there) or loaded."""
+
+
 def build_result(
     job: Job,
     statuses: Sequence[GetStatus | PutStatus],
@@ -212,11 +217,11 @@ def build_result(
         n = len(part.block_ids)
         part_statuses = statuses[start : start + n] if statuses else [None] * n
         start += n
-        good = [is_ok(s) for s in part_statuses]
+        good = [s in _OK for s in part_statuses]
         ok[part.group_id] = tuple(b for b, g in zip(part.block_ids, good, strict=True) if g)
         failed[part.group_id] = tuple(b for b, g in zip(part.block_ids, good, strict=True) if not g)
-        for s in part_statuses:
-            if s is not None and not is_ok(s):
+        for s, g in zip(part_statuses, good, strict=True):
+            if s is not None and not g:
                 counts[s.value] = counts.get(s.value, 0) + 1
     if statuses:
         outcome = JobOutcome.FAILED if counts else JobOutcome.OK
@@ -232,7 +237,3 @@ def build_result(
         finished_at=time.monotonic(),
     )
     return result, counts
-
-
-def is_ok(status: GetStatus | PutStatus | None) -> bool:
-    return status in (GetStatus.OK, PutStatus.OK, PutStatus.EXISTS)

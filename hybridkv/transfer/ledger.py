@@ -21,6 +21,9 @@ from hybridkv.transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
+EXPIRY_MARGIN_S = 0.001
+"""Waits for a deadline end this much past it, where ``expire`` finds the job late."""
+
 
 class JobLedger:
     def __init__(self, arena: StagingArena, tier: Tier, block_bytes: Callable[[int], int]) -> None:
@@ -64,9 +67,13 @@ class JobLedger:
         self.changed.notify_all()
 
     def abandon(self, job: Job, outcome: JobOutcome, reason: str) -> None:
-        """Report a job failed now; a running one keeps its staging until the tier returns."""
+        """Report a job failed now; a running one keeps its staging until the tier returns.
+
+        Only queued and running jobs are given up on: a store's copies are then done or
+        never start, so a fence waiting for them to be enqueued may go on."""
         running = job.state is JobState.RUNNING
         job.state = JobState.ABANDONED
+        job.enqueued.set()
         self.report(job, [], outcome, reason)
         if not running:
             self.release(job)
@@ -92,6 +99,13 @@ class JobLedger:
             if late and job.state in (JobState.QUEUED, JobState.RUNNING):
                 self.stats.timeouts += 1
                 self.abandon(job, JobOutcome.TIMED_OUT, f"timed out after {job.timeout_s} s")
+
+    @staticmethod
+    def time_left(job: Job) -> float | None:
+        """Seconds until ``expire`` gives the job up (None: no deadline)."""
+        if job.deadline is None:
+            return None
+        return max(0.0, job.deadline - time.monotonic()) + EXPIRY_MARGIN_S
 
     def wait_until(self, busy: Callable[[], bool], timeout_s: float | None) -> bool:
         end = None if timeout_s is None else time.monotonic() + timeout_s

@@ -9,7 +9,9 @@ with steps: ``groups``, ``generate``,
 or an earlier engine), ``reset``, ``zero_group``, ``integrity``, ``tier_blocks``
 (which tiers hold each block of an earlier step's prompts and outputs),
 ``valkey_command`` (one command to a valkey-server on loopback), ``await``
-(hand over to the test, which injects a fault, then go on); between
+(hand over to the test, which injects a fault, then go on), ``native`` (the
+numba functions compiled so far), ``exit`` (end the process without shutting
+the engine down); between
 engines, ``corrupt_files`` and ``swap_dirs``. Every step
 appends one JSON line to RESULTS (outputs, cached tokens, metric deltas,
 connector stats, seconds), so a crash still leaves the steps before it. The
@@ -21,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -145,7 +148,23 @@ def run_step(llm: Any, step: dict[str, Any], done: dict[str, dict[str, Any]]) ->
         return {"num_blocks_zeroed": engine_tools.zero_cached_blocks(llm, step["group_id"])}
     if op == "await":
         return await_test(step)
+    if op == "native":
+        return {"signatures": engine_tools.native_signatures()}
+    if op == "exit":
+        end_process(step["how"])
     raise ValueError(f"unknown engine step op {op!r}")
+
+
+def end_process(how: str) -> None:
+    """End the process here, the engine never shut down: ``return`` as a script whose
+    main returns (the interpreter exits, its ``atexit`` hooks run), ``sigterm`` as one
+    told to stop by its supervisor."""
+    if how == "return":
+        raise SystemExit(0)
+    if how == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(600)  # the signal ends the process before this does
+    raise ValueError(f"exit how={how!r}: 'return' or 'sigterm'")
 
 
 def valkey_command(port: int, args: list[str]) -> str:

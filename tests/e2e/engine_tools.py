@@ -297,3 +297,25 @@ def _tier_blocks_on_worker(worker: Any, sequences: list[list[int]]) -> dict[str,
 def tier_blocks(llm: Any, sequences: list[list[int]]) -> dict[str, Any]:
     """``_tier_blocks_on_worker`` of the first rank (in this process)."""
     return next(r for r in llm.collective_rpc(_tier_blocks_on_worker, args=(sequences,)) if r)
+
+
+def native_signatures() -> dict[str, list[str]]:
+    """Every numba-compiled function of hybridkv imported in this process, with the
+    argument types it is compiled (or loaded from the cache) for."""
+    import importlib
+    import pkgutil
+    import sys
+
+    from numba.core.registry import CPUDispatcher
+
+    import hybridkv
+
+    found: dict[str, list[str]] = {}
+    for info in pkgutil.walk_packages(hybridkv.__path__, "hybridkv."):
+        module = sys.modules.get(info.name)
+        if module is None:  # never imported here: nothing of it compiled
+            continue
+        for name, value in vars(importlib.import_module(info.name)).items():
+            if isinstance(value, CPUDispatcher) and value.py_func.__module__ == info.name:
+                found[f"{info.name}.{name}"] = sorted(str(s) for s in value.signatures)
+    return found

@@ -232,6 +232,41 @@ def table_against_brute_force() -> list[str]:
     return problems
 
 
+def warm_up_leaves_the_caches_as_they_were() -> list[str]:
+    """The warm-up launches the kernel both ways for every group (each span apart where
+    spans share bytes), and leaves every byte of the caches as it was."""
+    problems = []
+    original = SpanTable.copy
+    launches: list[bool] = []
+
+    def counted(self: SpanTable, ids: torch.Tensor, chunk: torch.Tensor, pitch: int, **kw):  # type: ignore[no-untyped-def]
+        launches.append(kw["to_cache"])
+        original(self, ids, chunk, pitch, **kw)
+
+    SpanTable.copy = counted  # type: ignore[method-assign]
+    try:
+        for name, build in CACHES.items():
+            caches, buffer = build(CPU)
+            before = buffer.clone()
+            launches.clear()
+            copies = ChunkedCopies(caches, 1 << 16, fused=True)
+            copies.warm_up()
+            if not copies.fused:
+                problems.append(f"{name}: the warm-up turned the kernel off")
+            groups = range(caches.model_groups.num_groups)
+            rounds = [
+                len(caches.group_block_spans(g)) if caches.spans_may_share_bytes(g) else 1
+                for g in groups
+            ]
+            if launches.count(False) != 2 * len(rounds) or launches.count(True) != 2 * sum(rounds):
+                problems.append(f"{name}: launches {launches} for {rounds} scatter rounds")
+            if not torch.equal(buffer, before):
+                problems.append(f"{name}: the warm-up changed the caches")
+    finally:
+        SpanTable.copy = original  # type: ignore[method-assign]
+    return problems
+
+
 def all_cases() -> dict[str, Callable[[], list[str]]]:
     cases: dict[str, Callable[[], list[str]]] = {}
     for name, build in CACHES.items():
@@ -240,6 +275,7 @@ def all_cases() -> dict[str, Callable[[], list[str]]]:
     cases["swapped_spans_are_caught"] = swapped_spans_are_caught
     cases["wrong_pitch_is_caught"] = wrong_pitch_is_caught
     cases["table_against_brute_force"] = table_against_brute_force
+    cases["warm_up_leaves_the_caches_as_they_were"] = warm_up_leaves_the_caches_as_they_were
     return cases
 
 
@@ -247,6 +283,7 @@ CASE_NAMES = [f"{name}-{frame}" for name in CACHES for frame in FRAMES] + [
     "swapped_spans_are_caught",
     "wrong_pitch_is_caught",
     "table_against_brute_force",
+    "warm_up_leaves_the_caches_as_they_were",
 ]
 
 

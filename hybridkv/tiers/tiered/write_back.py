@@ -41,6 +41,8 @@ class WriteBackStats:
     """Keys not queued: the byte budget was spent (or the queue closed)."""
     num_failed: int = 0
     """(key, tier) writes that answered ERROR or raised."""
+    num_pending: int = 0
+    """Keys queued or being written now (a snapshot, not a counter)."""
 
 
 class _Queued(NamedTuple):
@@ -236,7 +238,9 @@ class WriteBack:
 
     def snapshot(self) -> WriteBackStats:
         with self._cond:
-            return WriteBackStats(**vars(self.stats))
+            stats = WriteBackStats(**vars(self.stats))
+            stats.num_pending = len(self._queued) + len(self._in_flight)
+            return stats
 
     def check_integrity(self) -> None:
         with self._cond:
