@@ -281,9 +281,13 @@ def replay_offline(
                     sampling_params(request.max_tokens),
                 )
                 pending[request_id] = {
-                    "run": run, "index": index, "request": request, "prompt": prompt,
-                    "sent": now, "first": None,
-                }  # fmt: skip
+                    "run": run,
+                    "index": index,
+                    "request": request,
+                    "prompt": prompt,
+                    "sent": now,
+                    "first": None,
+                }
         if not engine.has_unfinished_requests():
             waiting = [run.due for run in runs if not run.done and not run.busy]
             sleep_until(min(waiting, default=now))
