@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hybridkv route: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, _exit)
-    for entry in engines.refresh():
+    for entry in engines.reread():
         if entry.lookup is None:
             print(f"  engine {entry.name}: {entry.error} (read again once written)")
         else:

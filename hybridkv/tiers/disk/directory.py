@@ -44,7 +44,7 @@ from hybridkv.tiers.log_once import LogOnce
 
 logger = logging.getLogger(__name__)
 
-REFRESH_EVERY_S = 1.0
+RESCAN_EVERY_S = 1.0
 
 
 class SegmentDirectory:
@@ -72,7 +72,7 @@ class SegmentDirectory:
         self.lost: set[Segment] = set()
         """Dropped segments whose fd waits for its last reader or writer."""
         self.temp_ids = itertools.count()
-        self.last_refresh = 0.0
+        self.last_rescan = 0.0
         self.last_sweep = time.monotonic()
         self.last_mtime_ns = 0
         make_private_dir(paths.root, symlink_ok=not paths.root_is_ours)
@@ -125,7 +125,7 @@ class SegmentDirectory:
                 num_bad_slots,
                 num_temp,
             )
-        self.last_refresh = time.monotonic()
+        self.last_rescan = time.monotonic()
         return ScanReport(
             num_objects=len(self.table.index),
             num_bytes=self.table.allocated,
@@ -188,14 +188,14 @@ class SegmentDirectory:
         """Read-only: rescan on a miss or after a while; True if it rescanned."""
         if not self.read_only:
             return False
-        if not missing and time.monotonic() - self.last_refresh < REFRESH_EVERY_S:
+        if not missing and time.monotonic() - self.last_rescan < RESCAN_EVERY_S:
             return False
-        self.refresh()
+        self.rescan()
         return True
 
-    def refresh(self) -> None:
+    def rescan(self) -> None:
         """Follow the writer: drop segments gone from disk, add new ones, read new slots."""
-        self.last_refresh = time.monotonic()
+        self.last_rescan = time.monotonic()
         on_disk = segments.list_root(self.paths.root).segments
         table = self.table
         for seq, segment in list(table.segments.items()):
@@ -216,7 +216,7 @@ class SegmentDirectory:
             except OSError:
                 continue
             if isinstance(header, str) or header.seq != segment.seq:
-                continue  # being reused: gone from disk by the next refresh
+                continue  # being reused: gone from disk by the next rescan
             self.stats.corrupt += self.scan_slots(segment)
             segment.sealed = header.sealed  # sealed before this scan: nothing more to come
 
@@ -248,10 +248,10 @@ class SegmentDirectory:
             self.lost.discard(segment)
 
     def sweep(self) -> None:
-        """Writer, at most every ``REFRESH_EVERY_S``: files dropped in from outside (a
+        """Writer, at most every ``RESCAN_EVERY_S``: files dropped in from outside (a
         segment name no segment of ours has, any other file) go to quarantine, counted
         corrupt, as the start-up scan does."""
-        if self.read_only or time.monotonic() - self.last_sweep < REFRESH_EVERY_S:
+        if self.read_only or time.monotonic() - self.last_sweep < RESCAN_EVERY_S:
             return
         self.last_sweep = time.monotonic()
         listing = segments.list_root(self.paths.root, keep=self.paths.kept)
