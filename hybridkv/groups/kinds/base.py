@@ -147,6 +147,10 @@ class KindRules:
         """Why hits aligned to ``align`` tokens cannot work for this group (None: they can)."""
         return None
 
+    coarser_alignment_problem: ClassVar[str | None] = None
+    """Why hits may not be aligned coarser than the engine aligns its own (None: they
+    may)."""
+
 
 def prefix_mask(mask: BoolArray) -> BoolArray:
     """``mask`` cut at its first False: only a prefix can matter."""
