@@ -8,9 +8,9 @@ evicting, the batch goes on whether or not it was reused. A tier that answers
 its usage from memory (``Tier.local_usage``: the disk) is asked for every
 batch, with the bytes still queued for write-back counted against it; a pool
 answers over the network, so its usage is read at most once per
-``reread_s`` and the bytes sent since are counted against it. (Reading the
-disk's usage once a second made a full disk look fuller the more batches came
-in that second, and held back more on a busy machine.) Once a tier is full, a
+``reread_s`` and the bytes sent since are counted against it. (The disk's usage
+read once a second would make a full disk look fuller the more batches came in
+that second, and hold back more the busier the machine.) Once a tier is full, a
 batch still goes on where what it would evict there holds nothing admitted as
 reused (``Tier.evicts_reused``, False): evicting one unreused block for
 another is plain recency, which admission must not lose to. A tier that
