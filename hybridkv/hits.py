@@ -5,12 +5,12 @@ Runs in the scheduler process; a pure algorithm whose only I/O is the caller's
 absent it does after the search, from ``Hit.first_miss_token``. The answer
 equals vLLM's hybrid coordinator (cache-hit alignment ``alignment_tokens``, no
 sub-block hits): each kind of group either accepts the candidate length or
-shrinks it, and passes repeat until no group shrinks it. Unlike the engine's
-per-block dictionary probes, every group is asked at most twice per pass,
-batched over the block indices it needs in that pass: first, where its rule
+shrinks it, and rounds repeat until no group shrinks it. Unlike the engine's
+per-block dictionary probes, every group is asked at most twice per round,
+batched over the block indices it needs in that round: first, where its rule
 has one, only the blocks that settle the longest hit (a window's last run, the
 last state), then, if one of them is missing, the rest. Answers are remembered
-across passes.
+across rounds.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _as_bools(answer: object, num_asked: int, group_id: int) -> BoolArray | None
 
 
 class _GroupSearch:
-    """Groups with equal search keys, searched together; remembers answers across passes."""
+    """Groups with equal search keys, searched together; remembers answers across rounds."""
 
     def __init__(self, group_ids: list[int], group: KVGroup, num_blocks: int) -> None:
         self.group_ids = group_ids
@@ -220,17 +220,17 @@ def _validate(
 
 def _group_searches(groups: Sequence[KVGroup], max_hit_tokens: int) -> list[_GroupSearch]:
     """One search per distinct search key, in first-seen order, full attention first."""
-    specs: list[tuple[tuple[object, ...], list[int]]] = []  # a few groups: a scan beats hashing
+    by_key: list[tuple[tuple[object, ...], list[int]]] = []  # a few groups: a scan beats hashing
     for group_id, group in enumerate(groups):
         key = group.search_key
-        ids = next((ids for other, ids in specs if other == key), None)
+        ids = next((ids for other, ids in by_key if other == key), None)
         if ids is None:
-            specs.append((key, [group_id]))
+            by_key.append((key, [group_id]))
         else:
             ids.append(group_id)
     searches = [
         _GroupSearch(ids, groups[ids[0]], (max_hit_tokens + 1) // groups[ids[0]].block_size)
-        for _, ids in specs
+        for _, ids in by_key
     ]
     searches.sort(key=lambda s: not s.rule.searched_once)
     return searches
@@ -249,7 +249,7 @@ def find_longest_hit(
 
     ``contains(group_id, block_ids)`` says, for one group, whether the store
     holds each block (group block i = tokens ``[i*block_size, (i+1)*block_size)``);
-    it is called at most once per group per pass. ``alignment_tokens`` (default:
+    it is called at most twice per group per round. ``alignment_tokens`` (default:
     LCM of the block sizes) is the granularity of the hit. ``use_eagle`` drops
     one block as vLLM does for EAGLE/MTP drafting, in the groups
     ``eagle_group_ids`` (None: every group, as vLLM when no group is flagged);
@@ -293,19 +293,19 @@ def drafting_groups(
     if not use_eagle:
         return (False,) * len(groups)
     eagle = set(range(len(groups)) if eagle_group_ids is None else eagle_group_ids)
-    drafting_specs = {groups[i].search_key for i in eagle if 0 <= i < len(groups)}
-    return tuple(g.search_key in drafting_specs for g in groups)
+    drafting_keys = {groups[i].search_key for i in eagle if 0 <= i < len(groups)}
+    return tuple(g.search_key in drafting_keys for g in groups)
 
 
 def _converge(
     searches: list[_GroupSearch], max_hit_tokens: int, contains: Contains, align: int
 ) -> int:
-    """Passes over all specs until none shrinks the candidate (vLLM's fixed point)."""
+    """Rounds over all searches until none shrinks the candidate (vLLM's fixed point)."""
     hit_tokens = max_hit_tokens
     # EAGLE drops a block once per search key and candidate; a shrink re-arms the drop.
     eagle_done: set[int] = set()
-    # One full-attention search plus one other: a single pass settles it.
-    one_pass = len(searches) == 2 and searches[0].rule.searched_once
+    # One full-attention search plus one other: a single round settles it.
+    one_round = len(searches) == 2 and searches[0].rule.searched_once
     while True:
         candidate = hit_tokens
         for index, search in enumerate(searches):
@@ -325,5 +325,5 @@ def _converge(
         if candidate >= hit_tokens:
             return hit_tokens
         hit_tokens = candidate
-        if one_pass:
+        if one_round:
             return hit_tokens

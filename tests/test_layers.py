@@ -39,9 +39,16 @@ LAYERS: dict[str, int] = {
 }
 """A module may import modules of a lower layer, or of its own package."""
 
-ENGINE_NEUTRAL = ("hybridkv.tiers", "hybridkv.groups", "hybridkv.keys", "hybridkv.hits",
-                  "hybridkv.layout", "hybridkv.transfer", "hybridkv.connector",
-                  "hybridkv.route")  # fmt: skip
+ENGINE_NEUTRAL = (
+    "hybridkv.tiers",
+    "hybridkv.groups",
+    "hybridkv.keys",
+    "hybridkv.hits",
+    "hybridkv.layout",
+    "hybridkv.transfer",
+    "hybridkv.connector",
+    "hybridkv.route",
+)
 
 
 def _modules() -> dict[str, Path]:

@@ -37,14 +37,23 @@ ANSWER_TOKENS = 16
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=ShapeKind.GEMMA3_270M.value, choices=MODELS,
-                        help="random-weight model built locally (default gemma3-270m)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default=ShapeKind.GEMMA3_270M.value,
+        choices=MODELS,
+        help="random-weight model built locally (default gemma3-270m)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=4096, help="tokens per prompt")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per run")
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="model, "
-                        f"disk tier and engine logs (default {DEFAULT_CACHE_DIR})")  # fmt: skip
-    parser.add_argument("--keep-cache", action="store_true",
-                        help="keep KV stored by earlier demo runs")  # fmt: skip
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=DEFAULT_CACHE_DIR,
+        help=f"model, disk tier and engine logs (default {DEFAULT_CACHE_DIR})",
+    )
+    parser.add_argument(
+        "--keep-cache", action="store_true", help="keep KV stored by earlier demo runs"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
 
 

@@ -34,9 +34,14 @@ def demo_rows(
     """A header, then one row per run; ``outputs``: per phase, its comparison with cold."""
     cold = next((s for s in summaries if s.phase == "cold"), None)
     header = [
-        "run", "TTFT", "speedup", "tokens from vLLM/CPU/disk", "blocks loaded per group",
-        "bytes loaded", "outputs vs cold",
-    ]  # fmt: skip
+        "run",
+        "TTFT",
+        "speedup",
+        "tokens from vLLM/CPU/disk",
+        "blocks loaded per group",
+        "bytes loaded",
+        "outputs vs cold",
+    ]
     rows = [header]
     for s in summaries:
         ttft = s.ttft_ms["p50"]

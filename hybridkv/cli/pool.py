@@ -22,25 +22,51 @@ from hybridkv.tools.servers import HOST, ServerRole
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["up", "down", "status"])
-    parser.add_argument("--run-dir", type=Path, default=None, help="state and logs (default: "
-                        "$HYBRIDKV_CACHE_DIR/pool, else ~/.cache/hybridkv/pool)")  # fmt: skip
-    parser.add_argument("--segment-size", default="1GiB", help="memory the storage daemon "
-                        "lends to the pool (default 1GiB)")  # fmt: skip
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="state and logs (default: $HYBRIDKV_CACHE_DIR/pool, else ~/.cache/hybridkv/pool)",
+    )
+    parser.add_argument(
+        "--segment-size",
+        default="1GiB",
+        help="memory the storage daemon lends to the pool (default 1GiB)",
+    )
     parser.add_argument("--valkey", action="store_true", help="also start a valkey-server")
     parser.add_argument("--valkey-maxmemory", default="1GiB", help="valkey-server maxmemory")
-    parser.add_argument("--valkey-shards", type=int, default=1, help="more than 1: a Valkey "
-                        "Cluster of that many primaries on loopback (default 1)")  # fmt: skip
-    parser.add_argument("--valkey-policy", default="allkeys-lru", choices=VALKEY_POLICIES,
-                        help="valkey-server maxmemory-policy (default allkeys-lru)")  # fmt: skip
-    parser.add_argument("--eviction-high-watermark", type=float,
-                        default=DEFAULT_EVICTION_HIGH_WATERMARK, help="share of the Mooncake "
-                        "pool used before the master evicts (default %(default)s)")  # fmt: skip
-    parser.add_argument("--eviction-ratio", type=float, default=DEFAULT_EVICTION_RATIO,
-                        help="share of the Mooncake objects one eviction pass removes, least "
-                        "recently used first (default %(default)s)")  # fmt: skip
-    parser.add_argument("--host", default=HOST, help="address every server binds (default "
-                        f"{HOST}: this machine only; 0.0.0.0 opens the pool to the network, "
-                        "with no authentication on Mooncake)")  # fmt: skip
+    parser.add_argument(
+        "--valkey-shards",
+        type=int,
+        default=1,
+        help="more than 1: a Valkey Cluster of that many primaries on loopback (default 1)",
+    )
+    parser.add_argument(
+        "--valkey-policy",
+        default="allkeys-lru",
+        choices=VALKEY_POLICIES,
+        help="valkey-server maxmemory-policy (default allkeys-lru)",
+    )
+    parser.add_argument(
+        "--eviction-high-watermark",
+        type=float,
+        default=DEFAULT_EVICTION_HIGH_WATERMARK,
+        help="share of the Mooncake pool used before the master evicts (default %(default)s)",
+    )
+    parser.add_argument(
+        "--eviction-ratio",
+        type=float,
+        default=DEFAULT_EVICTION_RATIO,
+        help="share of the Mooncake objects one eviction pass removes, least "
+        "recently used first (default %(default)s)",
+    )
+    parser.add_argument(
+        "--host",
+        default=HOST,
+        help="address every server binds (default "
+        f"{HOST}: this machine only; 0.0.0.0 opens the pool to the network, "
+        "with no authentication on Mooncake)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 

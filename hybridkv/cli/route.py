@@ -22,18 +22,36 @@ DEFAULT_PORT = 8740
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["serve"])
-    parser.add_argument("--card", type=Path, action="append", required=True, help="an engine's "
-                        "card (its connector config's engine_card); once per engine; the "
-                        "engine's name is the file name without .json")  # fmt: skip
-    parser.add_argument("--events", action="append", default=[], metavar="NAME=ENDPOINT",
-                        help="follow engine NAME's KV events: bind ENDPOINT (e.g. "
-                        "tcp://127.0.0.1:5557) and give the same endpoint to that engine's "
-                        "kv_events_config (publisher zmq); its CPU tier and prefix cache then "
-                        "count too")  # fmt: skip
-    parser.add_argument("--host", default=HOST, help=f"address to bind (default {HOST}: this "
-                        "machine only; the API has no authentication)")  # fmt: skip
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind (default "
-                        "%(default)s; 0: a free one, printed at start)")  # fmt: skip
+    parser.add_argument(
+        "--card",
+        type=Path,
+        action="append",
+        required=True,
+        help="an engine's "
+        "card (its connector config's engine_card); once per engine; the "
+        "engine's name is the file name without .json",
+    )
+    parser.add_argument(
+        "--events",
+        action="append",
+        default=[],
+        metavar="NAME=ENDPOINT",
+        help="follow engine NAME's KV events: bind ENDPOINT (e.g. "
+        "tcp://127.0.0.1:5557) and give the same endpoint to that engine's "
+        "kv_events_config (publisher zmq); its CPU tier and prefix cache then "
+        "count too",
+    )
+    parser.add_argument(
+        "--host",
+        default=HOST,
+        help=f"address to bind (default {HOST}: this machine only; the API has no authentication)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help="port to bind (default %(default)s; 0: a free one, printed at start)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,13 +76,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"hybridkv route: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, _exit)
-    for entry in engines.refresh():
+    for entry in engines.reread():
         if entry.lookup is None:
             print(f"  engine {entry.name}: {entry.error} (read again once written)")
         else:
             print(f"  engine {entry.name}: {entry.lookup.card.model_groups.model_id}")
-    print(f"hybridkv route: serving {len(engines.entries)} engines at {server.url} "
-          "(GET /engines, POST /lookup)", flush=True)  # fmt: skip
+    print(
+        f"hybridkv route: serving {len(engines.entries)} engines at {server.url} "
+        "(GET /engines, POST /lookup)",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -402,9 +402,12 @@ class ConnectorScheduler:
     def _state(self, req_id: str, cache_salt: str | None, lora_name: str | None) -> RequestState:
         st = self._requests.get(req_id)
         if st is None:
-            size = self.model_groups.hash_block_size
-            salt, algo = cache_salt, self.hash_algo
-            hasher = RequestBlockHasher(size, algo=algo, cache_salt=salt, lora_name=lora_name)
+            hasher = RequestBlockHasher(
+                self.model_groups.hash_block_size,
+                algo=self.hash_algo,
+                cache_salt=cache_salt,
+                lora_name=lora_name,
+            )
             st = RequestState(hasher=hasher, table=GroupBlockTable(self.model_groups.num_groups))
             self._requests[req_id] = st
         return st

@@ -102,5 +102,6 @@ class HitSearch:
     def load_bytes(self, hit: Hit) -> int:
         """Bytes one tensor-parallel rank (of every pipeline stage) reads to load ``hit``
         from nothing: every block it names, each group's ``block_bytes``."""
-        ranks = self.ranks
-        return sum(len(ids) * ranks.block_bytes((g,)) for g, ids in enumerate(hit.blocks_to_load))
+        return sum(
+            len(ids) * self.ranks.block_bytes((g,)) for g, ids in enumerate(hit.blocks_to_load)
+        )

@@ -27,7 +27,7 @@ from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.sightings import MarksSightings
 from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.groups import ModelGroups
-from hybridkv.groups.kinds import GroupKind, rules_for
+from hybridkv.groups.kinds import rules_for
 from hybridkv.schema import ConfigError
 from hybridkv.tiers.base import Tier, TierReach
 from hybridkv.tiers.ranks import WorkerRank
@@ -90,17 +90,15 @@ def hit_alignment(config: ConnectorConfig, facts: EngineFacts) -> int:
             f"{facts.alignment_tokens}"
         )
     for group_id, group in enumerate(facts.model_groups.groups):
-        problem = rules_for(group.kind).alignment_problem(group, align)
+        rules = rules_for(group.kind)
+        problem = rules.alignment_problem(group, align)
         if problem:
             problems.append(f"group {group_id}: {problem}; leave hit_alignment_tokens unset")
-        elif group.kind is GroupKind.MAMBA and align > facts.alignment_tokens:
-            # A state exists only where an engine step ended, on the engine's alignment:
-            # on a coarser one most prompts would have no state to hit.
+        elif rules.coarser_alignment_problem and align > facts.alignment_tokens:
             problems.append(
-                f"group {group_id} (mamba): hit_alignment_tokens={align} is coarser than the "
-                f"engine's alignment {facts.alignment_tokens}; Mamba states exist only where "
-                "the engine's steps end, so most prompts would never hit; leave "
-                "hit_alignment_tokens unset"
+                f"group {group_id} ({group.kind.value}): hit_alignment_tokens={align} is "
+                f"coarser than the engine's alignment {facts.alignment_tokens}; "
+                f"{rules.coarser_alignment_problem}; leave hit_alignment_tokens unset"
             )
     if problems:
         raise ConfigError("kv_connector_extra_config: " + "; ".join(problems))

@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from hybridkv.groups import GroupKind, ModelGroups
+from hybridkv.groups import ModelGroups
+from hybridkv.groups.kinds import rules_for
 
 
 class LookupResult(NamedTuple):
@@ -76,6 +77,7 @@ class StepInput:
                 first = 0
                 if req.replaces_block_ids:
                     first = req.num_computed_tokens // group.block_size
-                    first -= group.kind is GroupKind.MAMBA and first > 0
+                    # A state block at the boundary: the step may advance it.
+                    first -= not rules_for(group.kind).blocks_stay_computed and first > 0
                 written.update(b for b in ids[first:] if b)
         return tuple(sorted(written))

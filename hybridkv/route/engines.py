@@ -121,14 +121,14 @@ class Engines:
         self._opened: dict[TierConfig, Tier] = dict(opened or {})
         self._lock = threading.Lock()
 
-    def refresh(self) -> list[EngineEntry]:
+    def reread(self) -> list[EngineEntry]:
         """Every entry, its card read again if its file changed since the last call."""
         with self._lock:
             for entry in self.entries.values():
-                self._refresh(entry)
+                self._reread(entry)
             return list(self.entries.values())
 
-    def _refresh(self, entry: EngineEntry) -> None:
+    def _reread(self, entry: EngineEntry) -> None:
         try:
             st = os.stat(entry.path)
         except OSError as exc:
@@ -154,7 +154,7 @@ class Engines:
     ) -> list[EngineHits | EngineError]:
         """Each engine's hits (``names``: only those), in order; ValueError for a name
         not served."""
-        entries = self.refresh()
+        entries = self.reread()
         if names is not None:
             unknown = sorted(set(names) - set(self.entries))
             if unknown:

@@ -109,7 +109,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send(HTTPStatus.OK, {"ok": True})
         elif self.path == "/engines":
-            entries = self.server.engines.refresh()
+            entries = self.server.engines.reread()
             self._send(HTTPStatus.OK, {"engines": [e.describe() for e in entries]})
         else:
             self._send(HTTPStatus.NOT_FOUND, {"error": f"no {self.path}; try GET /engines"})

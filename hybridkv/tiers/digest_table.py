@@ -1,7 +1,7 @@
 """Key digests -> row numbers, in numpy arrays: the core of the tiers' object indexes.
 
 Any process; not thread-safe (each tier calls it under its lock). A dict of Python
-objects per stored key costs several times a row's bytes (README, Performance);
+objects per stored key costs several times a row's bytes (docs/DECISIONS.md);
 a tier that holds millions of objects keeps each one as a row of numpy arrays
 instead: this table owns the rows' key
 digests (16 bytes, xxh3-128 of the key: ``codec.key_digest``) and finds a row by
@@ -63,7 +63,7 @@ def grown(array: npt.NDArray[T], num_rows: int, fill: int = 0) -> npt.NDArray[T]
 
     Big ones are mapped from the OS, so their memory goes back to it once dropped:
     the C heap keeps freed blocks (glibc: up to 32 MiB each), and growing an index
-    by steps left the process holding the arrays it outgrew (README, Performance).
+    by steps would leave the process holding the arrays it outgrew.
     """
     shape = (num_rows, *array.shape[1:])
     num_bytes = int(np.prod(shape)) * array.itemsize

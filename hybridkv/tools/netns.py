@@ -80,8 +80,20 @@ class Network:
     def _add_host(self, name: str, namespace: str, address: str, hub_link: str) -> None:
         _ip("netns", "add", namespace)
         self.hosts[name] = Host(name=name, namespace=namespace, address=address, hub_link=hub_link)
-        _ip("link", "add", HOST_LINK, "netns", namespace, "type", "veth",
-            "peer", "name", hub_link, "netns", self.hub)  # fmt: skip
+        _ip(
+            "link",
+            "add",
+            HOST_LINK,
+            "netns",
+            namespace,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            hub_link,
+            "netns",
+            self.hub,
+        )
         _ip("-n", self.hub, "link", "set", hub_link, "master", BRIDGE, "up")
         _ip("-n", namespace, "addr", "add", f"{address}/{self.prefix_len}", "dev", HOST_LINK)
         _ip("-n", namespace, "link", "set", HOST_LINK, "up")
@@ -154,8 +166,9 @@ def _addresses(subnet: str, num_hosts: int) -> list[str]:
     try:
         network = ipaddress.IPv4Network(subnet)
     except ValueError as exc:
-        raise ValueError(f"subnet={subnet!r}: {exc}; use a private IPv4 subnet such as "
-                         "'10.213.7.0/24'") from exc  # fmt: skip
+        raise ValueError(
+            f"subnet={subnet!r}: {exc}; use a private IPv4 subnet such as '10.213.7.0/24'"
+        ) from exc
     problems = [] if network.is_private else [f"subnet={subnet!r}: must be a private range"]
     if num_hosts < 1 or network.num_addresses - 2 < num_hosts:
         problems.append(f"subnet={subnet!r} has no room for {num_hosts} hosts: use a larger one")

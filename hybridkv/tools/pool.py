@@ -139,8 +139,10 @@ class LocalPool:
         if valkey_shards < 1:
             problems.append(f"valkey_shards={valkey_shards}: must be >= 1 (1: no cluster)")
         if valkey and not valkey_password and not is_loopback(host):
-            problems.append(f"valkey on {host} needs valkey_password: without one, valkey-server's "
-                            "protected mode refuses every client not on loopback")  # fmt: skip
+            problems.append(
+                f"valkey on {host} needs valkey_password: without one, valkey-server's "
+                "protected mode refuses every client not on loopback"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         with contextlib.suppress(FileNotFoundError):
@@ -290,8 +292,10 @@ class LocalPool:
         }
         for i, shard in enumerate(self.shards):
             report[f"valkey-shard-{i}"] = {
-                "pid": shard.pid, "alive": shard.alive(), "log": str(shard.log_path)
-            }  # fmt: skip
+                "pid": shard.pid,
+                "alive": shard.alive(),
+                "log": str(shard.log_path),
+            }
         if "metrics" in self.ports:
             metrics = read_metrics(self.ports["metrics"], self.client_host) or {}
             report["pool"] = {name: metrics.get(metric) for name, metric in _MOONCAKE_FIGURES}

@@ -102,8 +102,11 @@ def measure(master_address: str, local_hostname: str, object_bytes: int, num_rea
 
 def main(argv: Sequence[str]) -> int:
     if len(argv) != 4:
-        print("usage: python -m hybridkv.tools.pool_probe MASTER_ADDRESS LOCAL_HOSTNAME "
-              "OBJECT_BYTES NUM_READS", file=sys.stderr)  # fmt: skip
+        print(
+            "usage: python -m hybridkv.tools.pool_probe MASTER_ADDRESS LOCAL_HOSTNAME "
+            "OBJECT_BYTES NUM_READS",
+            file=sys.stderr,
+        )
         return 2
     master_address, local_hostname, object_bytes, num_reads = argv
     try:

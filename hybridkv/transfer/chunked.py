@@ -10,9 +10,9 @@ runs the same steps backwards. On CUDA with Triton one kernel launch per
 piece moves every span (``span_kernel``; ``fused``), else one indexed op per
 span does (``HYBRIDKV_FUSED_COPIES=0`` picks it where the caller passes no
 ``fused``). So device memory taken is the chunk (allocated once), whatever
-the size of a job, and a run of adjacent host rows costs one copy: per-block
-copies of 16-64 KiB run at 0.1-0.3 of the link, one copy of a megabyte or
-more at its full speed (``docs/ARCHITECTURE.md``).
+the size of a job, and a run of adjacent host rows costs one copy: a copy of
+one small block uses a fraction of the link, one copy of a megabyte or more
+all of it (figures in docs/DECISIONS.md).
 
 Rows are adjacent when each starts ``block_bytes`` after the previous one,
 or, when the caller says the bytes between rows are scratch (header room in

@@ -10,9 +10,9 @@ Why not ``memcpy`` per run (``np.take`` over ``void`` elements, torch's
 ``index_select``): at the start of each scattered run the hardware
 prefetcher has nothing to go on, so every run of a few KiB stalls on memory
 first; and glibc picks ``rep movsb`` for runs under half of L2, which some
-CPUs (AMD EPYC under KVM) run slower than their vector loop. Prefetching the
-whole next run brings scattered blocks of a few KiB close to a long copy's
-speed (``benchmarks/bench_transfer.py``; figures in README, Performance).
+CPUs run slower than their vector loop. Prefetching the whole next run brings
+scattered blocks of a few KiB close to a long copy's speed
+(``benchmarks/bench_transfer.py``; figures in docs/DECISIONS.md).
 
 Runs that continue each other on both sides (blocks adjacent in the cache
 and in the staging rows) are joined and move as one run.

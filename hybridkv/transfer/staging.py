@@ -1,7 +1,7 @@
 """The staging arena: host memory that block objects pass through on their way to a tier.
 
-Runs in the worker process. Allocated once and touched at start (first-touch
-page faults are slow on these machines), pinned when the KV cache is on CUDA,
+Runs in the worker process. Allocated once and touched at start (a first-touch
+page fault would otherwise land on the data path), pinned when the KV cache is on CUDA,
 and handed out in aligned regions, first fit; freed regions merge with free
 neighbours, so a fully freed arena is one region again. Not thread-safe: the
 transfer engine calls it under its lock.
@@ -9,7 +9,7 @@ transfer engine calls it under its lock.
 The arena starts at the same address modulo a page as the KV caches
 (``address_phase``): a copy whose source and destination sit at different
 offsets within a cache line or page runs slower than one where they match
-(README, Performance), so block rows that share the caches' phase copy at
+(docs/DECISIONS.md), so block rows that share the caches' phase copy at
 memcpy speed.
 """
 

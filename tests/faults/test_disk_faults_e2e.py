@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from hybridkv.tiers.disk.directory import REFRESH_EVERY_S
+from hybridkv.tiers.disk.directory import RESCAN_EVERY_S
 from hybridkv.tools.models import TinyModelKind, default_prompt_token_ids
 from tests.e2e.expect import describe, engine_facts, full_hit_tokens
 from tests.e2e.harness import Harness, PlanRun
@@ -117,10 +117,10 @@ def add_foreign_files(kv_dir: Path) -> Action:
         # live segment's name would rewrite that segment's file (the same inode) instead.
         (kv_dir / "7fffffffffffff99.seg").write_bytes(b"\0" * 8192)
         (kv_dir / "subdir").mkdir()
-        # The writer sweeps on a put, at most every REFRESH_EVERY_S: once that long has
+        # The writer sweeps on a put, at most every RESCAN_EVERY_S: once that long has
         # passed, the fault step's first put sweeps. Without the wait, a sweep just
         # before the files came let them stay until a later case's (read-only) sweep.
-        time.sleep(REFRESH_EVERY_S)
+        time.sleep(RESCAN_EVERY_S)
         return {"added": 4}
 
     return act

@@ -143,9 +143,9 @@ def test_a_card_rewritten_is_read_again_and_a_card_gone_is_an_error(tmp_path: Pa
     (first,) = engines.find(HitQuery(token_ids=prompt(9)))
     assert isinstance(first, EngineHits)
     lookup = engines.entries["a"].lookup
-    assert engines.refresh()[0].lookup is lookup  # unchanged: kept
+    assert engines.reread()[0].lookup is lookup  # unchanged: kept
     write_engine_card(path, config, make_groups((GroupKind.FULL,)))
-    assert engines.refresh()[0].lookup is not lookup
+    assert engines.reread()[0].lookup is not lookup
     os.remove(path)
     (gone,) = engines.find(HitQuery(token_ids=prompt(9)))
     assert isinstance(gone, EngineError) and "no card" in gone.error

@@ -51,21 +51,45 @@ DEFAULT_SETUPS = {
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     workloads = [k.value for k in WorkloadKind]
-    parser.add_argument("workload", choices=[*workloads, "hosts"], help="what to replay; "
-                        "hosts: shared, the pool and each engine in its own network namespace "
-                        "(root)")  # fmt: skip
-    parser.add_argument("--model", default=ShapeKind.GEMMA3_270M.value, choices=MODELS,
-                        help="random-weight model built locally (default gemma3-270m; "
-                        "tiny-* are the test models)")  # fmt: skip
-    parser.add_argument("--engine", choices=["offline", "server"], default="offline",
-                        help="vLLM's offline engine (default) or its OpenAI server")  # fmt: skip
-    parser.add_argument("--setups", default=None, help="comma-separated, of "
-                        f"{[s.value for s in Setup]} (default per workload; 'alone' is "
-                        "always run: it is the reference)")  # fmt: skip
-    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                        help="change the workload preset, e.g. --param documents=8")  # fmt: skip
-    parser.add_argument("--work-dir", type=Path, default=None, help="models, disk tiers, "
-                        "engine logs (default <hybridkv cache dir>/bench)")  # fmt: skip
+    parser.add_argument(
+        "workload",
+        choices=[*workloads, "hosts"],
+        help="what to replay; "
+        "hosts: shared, the pool and each engine in its own network namespace "
+        "(root)",
+    )
+    parser.add_argument(
+        "--model",
+        default=ShapeKind.GEMMA3_270M.value,
+        choices=MODELS,
+        help="random-weight model built locally (default gemma3-270m; tiny-* are the test models)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["offline", "server"],
+        default="offline",
+        help="vLLM's offline engine (default) or its OpenAI server",
+    )
+    parser.add_argument(
+        "--setups",
+        default=None,
+        help="comma-separated, of "
+        f"{[s.value for s in Setup]} (default per workload; 'alone' is "
+        "always run: it is the reference)",
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change the workload preset, e.g. --param documents=8",
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="models, disk tiers, engine logs (default <hybridkv cache dir>/bench)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write PNGs here")
 

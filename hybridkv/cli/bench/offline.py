@@ -214,7 +214,8 @@ def sampling_params(max_tokens: int) -> Any:
 
 def _warm_up(llm: Any) -> None:
     """Two short requests (shorter than a block: nothing stored, nothing hit), so the
-    first measured request does not pay one-off costs (log-probabilities cost 1.5 s)."""
+    first measured request does not pay one-off costs (the first request asking for
+    log-probabilities sets them up)."""
     from vllm.inputs import TokensPrompt
 
     for _ in range(2):
@@ -281,9 +282,13 @@ def replay_offline(
                     sampling_params(request.max_tokens),
                 )
                 pending[request_id] = {
-                    "run": run, "index": index, "request": request, "prompt": prompt,
-                    "sent": now, "first": None,
-                }  # fmt: skip
+                    "run": run,
+                    "index": index,
+                    "request": request,
+                    "prompt": prompt,
+                    "sent": now,
+                    "first": None,
+                }
         if not engine.has_unfinished_requests():
             waiting = [run.due for run in runs if not run.done and not run.busy]
             sleep_until(min(waiting, default=now))

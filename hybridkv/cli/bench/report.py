@@ -175,23 +175,43 @@ def _group_order(item: tuple[str, float]) -> int:
 
 def summary_rows(summaries: Sequence[Summary]) -> list[list[str]]:
     header = [
-        "setup", "phase", "reqs", "TTFT p50", "p90", "p99", "latency p50", "prompt tok/s",
-        "gen tok/s", "hit device/host/disk/p2p", "loaded per group", "B/hit tok",
-        "recomputed", "outputs",
-    ]  # fmt: skip
+        "setup",
+        "phase",
+        "reqs",
+        "TTFT p50",
+        "p90",
+        "p99",
+        "latency p50",
+        "prompt tok/s",
+        "gen tok/s",
+        "hit device/host/disk/p2p",
+        "loaded per group",
+        "B/hit tok",
+        "recomputed",
+        "outputs",
+    ]
     rows = [header]
     for s in summaries:
         rates = "/".join(f"{100 * s.hit_rate_by_source[src]:.0f}" for src in SOURCES) + " %"
         groups = "/".join(str(n) for n in s.loaded_blocks_by_group.values()) or "-"
         rows.append(
             [
-                s.setup, s.phase, str(s.requests), _ms(s.ttft_ms["p50"]), _ms(s.ttft_ms["p90"]),
-                _ms(s.ttft_ms["p99"]), _ms(s.latency_p50_ms), f"{s.prompt_tokens_per_s:.0f}",
-                f"{s.output_tokens_per_s:.1f}", rates, groups,
+                s.setup,
+                s.phase,
+                str(s.requests),
+                _ms(s.ttft_ms["p50"]),
+                _ms(s.ttft_ms["p90"]),
+                _ms(s.ttft_ms["p99"]),
+                _ms(s.latency_p50_ms),
+                f"{s.prompt_tokens_per_s:.0f}",
+                f"{s.output_tokens_per_s:.1f}",
+                rates,
+                groups,
                 format_bytes(s.bytes_per_hit_token) if s.bytes_per_hit_token else "-",
-                str(s.recomputed_tokens), _outputs_cell(s.outputs),
+                str(s.recomputed_tokens),
+                _outputs_cell(s.outputs),
             ]
-        )  # fmt: skip
+        )
     return rows
 
 

@@ -73,8 +73,11 @@ class PolicyRun:
 
 def run_route(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     if args.engine != "offline" or args.setups or args.plot:
-        print("[bench] route compares its own runs (alone, round-robin, hits) on offline "
-              "engines: drop --engine, --setups and --plot", file=sys.stderr)  # fmt: skip
+        print(
+            "[bench] route compares its own runs (alone, round-robin, hits) on offline "
+            "engines: drop --engine, --setups and --plot",
+            file=sys.stderr,
+        )
         return 2
     params = PRESETS[WorkloadKind.ROUTE].replace(overrides)
     work_dir = work_dir_of(args)
@@ -156,12 +159,21 @@ def _run_policy(
             transfer = transfer_config(Setup.VALKEY, tiers, run_dir)
             assert transfer is not None
             transfer["kv_connector_extra_config"]["engine_card"] = str(card)
-            events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                      "endpoint": feeds[e].endpoint, "topic": name}  # fmt: skip
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": feeds[e].endpoint,
+                "topic": name,
+            }
             launches.append(
-                EngineLaunch(engine_kwargs=kwargs, transfer=transfer,
-                             log_path=_log(work_dir, f"{policy}-{name}"), env={}, events=events)
-            )  # fmt: skip
+                EngineLaunch(
+                    engine_kwargs=kwargs,
+                    transfer=transfer,
+                    log_path=_log(work_dir, f"{policy}-{name}"),
+                    env={},
+                    events=events,
+                )
+            )
         engines = _start(launches, progress, policy)
         router = Engines(cards, events=dict(zip(cards, indexes, strict=True)))
         run = PolicyRun(policy, alignment_tokens=_alignment(engines[0]))
@@ -269,8 +281,21 @@ def _exact_predictions(run: PolicyRun) -> tuple[int, int]:
 def _rows(
     runs: Sequence[PolicyRun], alone: PolicyRun, *, exact: bool
 ) -> tuple[list[list[str]], dict[str, dict[str, int]]]:
-    rows = [["policy", "reqs", "per engine", "hit tokens", "of prompt", "recomputed",
-             "TTFT p50", "p90", "pool evictions", "router exact", "outputs"]]  # fmt: skip
+    rows = [
+        [
+            "policy",
+            "reqs",
+            "per engine",
+            "hit tokens",
+            "of prompt",
+            "recomputed",
+            "TTFT p50",
+            "p90",
+            "pool evictions",
+            "router exact",
+            "outputs",
+        ]
+    ]
     outputs = {}
     for run in [alone, *runs]:
         prompt = sum(r.num_prompt_tokens for r in run.records) or 1
@@ -278,14 +303,21 @@ def _rows(
         same, asked = _exact_predictions(run)
         compared = compare_outputs(run.records, alone.records, exact=exact)
         outputs[run.policy] = compared
-        rows.append([
-            run.policy, str(len(run.records)), "/".join(map(str, run.per_engine)),
-            str(_hit_tokens(run)), f"{_hit_tokens(run) / prompt:.0%}", str(recomputed),
-            f"{_ttft_ms(run, 50):.0f} ms", f"{_ttft_ms(run, 90):.0f} ms",
-            str(run.evicted_keys) if run.policy != "alone" else "-",
-            f"{same}/{asked}" if asked else "-",
-            ", ".join(f"{v} {k}" for k, v in compared.items() if v),
-        ])  # fmt: skip
+        rows.append(
+            [
+                run.policy,
+                str(len(run.records)),
+                "/".join(map(str, run.per_engine)),
+                str(_hit_tokens(run)),
+                f"{_hit_tokens(run) / prompt:.0%}",
+                str(recomputed),
+                f"{_ttft_ms(run, 50):.0f} ms",
+                f"{_ttft_ms(run, 90):.0f} ms",
+                str(run.evicted_keys) if run.policy != "alone" else "-",
+                f"{same}/{asked}" if asked else "-",
+                ", ".join(f"{v} {k}" for k, v in compared.items() if v),
+            ]
+        )
     return rows, outputs
 
 

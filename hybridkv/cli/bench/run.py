@@ -193,8 +193,9 @@ class _SetupRunner:
             wall = time.perf_counter() - begin
             self.ctx.progress.replayed(label)
             delta = counters.delta(before, engine.counters())
-            phase = Phase(setup=self.setup.value, name="run", records=records, counters=delta,
-                          wall_s=wall)  # fmt: skip
+            phase = Phase(
+                setup=self.setup.value, name="run", records=records, counters=delta, wall_s=wall
+            )
             self.result.phases.append(phase)
         finally:
             engine.close()

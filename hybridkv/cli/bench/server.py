@@ -40,9 +40,18 @@ def server_argv(
 ) -> list[str]:
     """The server's command line: ``engine_kwargs`` as flags (``max_model_len`` ->
     ``--max-model-len``; True -> a bare flag)."""
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--host", HOST, "--port", str(port), "--served-model-name", SERVED_NAME,
-            "--enable-prompt-tokens-details"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_NAME,
+        "--enable-prompt-tokens-details",
+    ]
     for key, value in engine_kwargs.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -145,12 +154,20 @@ class ServerEngine:
                     done = time.perf_counter()
                     records.append(
                         make_record(
-                            run, index, request, prompt, phase=phase, replay_start=start,
-                            sent=sent, first_token=reply["first"], done=done,
-                            output=reply["tokens"], top_logprobs=reply["logprobs"],
+                            run,
+                            index,
+                            request,
+                            prompt,
+                            phase=phase,
+                            replay_start=start,
+                            sent=sent,
+                            first_token=reply["first"],
+                            done=done,
+                            output=reply["tokens"],
+                            top_logprobs=reply["logprobs"],
                             num_cached_tokens=reply["cached"],
                         )
-                    )  # fmt: skip
+                    )
                     run.finish(prompt, reply["tokens"], done)
                     on_done()
 
@@ -160,11 +177,17 @@ class ServerEngine:
 
     async def _complete(self, session: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         body = {
-            "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "logprobs": TOP_LOGPROBS,
-            "return_token_ids": True, "return_tokens_as_token_ids": True,
-        }  # fmt: skip
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": TOP_LOGPROBS,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
         reply: dict[str, Any] = {"first": None, "tokens": [], "logprobs": [], "cached": 0}
         async with session.post(f"{self.url}/v1/completions", json=body) as response:
             if response.status != 200:

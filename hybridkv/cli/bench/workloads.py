@@ -116,12 +116,22 @@ class WorkloadParams:
         problems = [
             f"{name}={getattr(self, name)} must be >= 1"
             for name in (
-                "documents", "document_tokens", "questions", "question_tokens",
-                "answer_tokens", "clients", "rounds", "kv_cache_mib", "max_num_batched_tokens",
-                "cpu_tier_mib", "pool_mib", "disk_tier_mib", "system_prompts",
+                "documents",
+                "document_tokens",
+                "questions",
+                "question_tokens",
+                "answer_tokens",
+                "clients",
+                "rounds",
+                "kv_cache_mib",
+                "max_num_batched_tokens",
+                "cpu_tier_mib",
+                "pool_mib",
+                "disk_tier_mib",
+                "system_prompts",
             )
             if getattr(self, name) < 1
-        ]  # fmt: skip
+        ]
         if self.think_s < 0:
             problems.append(f"think_s={self.think_s} must be >= 0")
         if self.order not in ("random", "interleaved"):
@@ -281,9 +291,11 @@ def build_workload(kind: WorkloadKind, params: WorkloadParams, vocab_size: int) 
         return Workload(kind=kind, params=params, clients=(Client(requests=requests),))
     if kind is WorkloadKind.SHARED:
         shared = tuple(
-            ask(d, engine) for d in range(len(docs)) for engine in (0, 1)
+            ask(d, engine)
+            for d in range(len(docs))
+            for engine in (0, 1)
             for _ in range(params.questions)
-        )  # fmt: skip
+        )
         return Workload(kind=kind, params=params, clients=(Client(requests=shared),), engines=2)
     asks = [d for _ in range(params.questions) for d in range(len(docs))]
     if params.order == "random":
@@ -301,9 +313,11 @@ def _route_workload(
     def request(prefix: tuple[int, ...], with_history: bool) -> Request:
         question = tokens(params.question_tokens)
         return Request(
-            prefix=prefix, question=question, max_tokens=params.answer_tokens,
+            prefix=prefix,
+            question=question,
+            max_tokens=params.answer_tokens,
             with_history=with_history,
-        )  # fmt: skip
+        )
 
     conversations = [
         Client(
@@ -323,9 +337,12 @@ def _route_workload(
     schedule = [c for c, client in enumerate(clients) for _ in client.requests]
     rng.shuffle(schedule)
     return Workload(
-        kind=WorkloadKind.ROUTE, params=params, clients=clients, engines=2,
+        kind=WorkloadKind.ROUTE,
+        params=params,
+        clients=clients,
+        engines=2,
         schedule=tuple(schedule),
-    )  # fmt: skip
+    )
 
 
 def _mixed_workload(
@@ -339,9 +356,11 @@ def _mixed_workload(
     def request(prefix: tuple[int, ...], with_history: bool = False) -> Request:
         question = tokens(params.question_tokens)
         return Request(
-            prefix=prefix, question=question, max_tokens=params.answer_tokens,
+            prefix=prefix,
+            question=question,
+            max_tokens=params.answer_tokens,
             with_history=with_history,
-        )  # fmt: skip
+        )
 
     half = max(1, params.document_tokens // 2)
     systems = [tokens(half) for _ in range(params.system_prompts)]

@@ -4,7 +4,7 @@ Pure functions, any process. A group of one kind needs some of a request's
 past blocks to resume it at a given length; the rules answer, for that kind:
 
 * hit search (``hybridkv.hits``): which stored blocks it reads and how long
-  a hit they allow, asked in passes with ``window`` / ``stride`` /
+  a hit they allow, asked in rounds with ``window`` / ``stride`` /
   ``relevant`` / ``find``;
 * store planning: which blocks a step that computed tokens ``[start, end)``
   stores (``stored_blocks``): only those a later aligned hit can read, and
@@ -74,7 +74,7 @@ class KindRules:
 
     kind: ClassVar[GroupKind]
     searched_once: ClassVar[bool] = False
-    """Hits are prefixes: found once, later passes only trim to the candidate."""
+    """Hits are prefixes: found once, later rounds only trim to the candidate."""
     widens_for_eagle: ClassVar[bool] = True
     """With EAGLE the lookup bound grows by one block before one is dropped."""
     supports_eagle: ClassVar[bool] = True
@@ -146,6 +146,10 @@ class KindRules:
     def alignment_problem(self, group: KVGroup, align: int) -> str | None:
         """Why hits aligned to ``align`` tokens cannot work for this group (None: they can)."""
         return None
+
+    coarser_alignment_problem: ClassVar[str | None] = None
+    """Why hits may not be aligned coarser than the engine aligns its own (None: they
+    may)."""
 
 
 def prefix_mask(mask: BoolArray) -> BoolArray:

@@ -22,6 +22,11 @@ class MambaRules(KindRules):
     kind: ClassVar[GroupKind] = GroupKind.MAMBA
     widens_for_eagle = False
     blocks_stay_computed = False
+    # A state exists only where an engine step ended, on the engine's alignment: on a
+    # coarser one most prompts would have no state to hit.
+    coarser_alignment_problem = (
+        "Mamba states exist only where the engine's steps end, so most prompts would never hit"
+    )
 
     def stride(self, a: int) -> tuple[int, int]:
         return a - 1, a

@@ -244,8 +244,8 @@ def model_namespace(model_id: str, vllm_config: Any, kv_cache_config: Any) -> st
     dtype = vllm_config.cache_config.cache_dtype
     if dtype == "auto":
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-    model_groups = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
-    in_page = model_groups[-3:] if len(model_groups) == 5 else model_groups
+    kv_cache_layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
+    in_page = kv_cache_layout[-3:] if len(kv_cache_layout) == 5 else kv_cache_layout
     return f"{model_id}|{dtype}|{in_page}"
 
 

@@ -143,8 +143,8 @@ def preferred_kv_cache_layout(vllm_config: Any) -> str | None:
     """Ask for the block-major layout when the attention backends offer it, else None.
 
     vLLM 0.32's CPU attention backend supports only ``LBHNC`` (one page per
-    layer per block; measured): there the default is kept and per-layer copies
-    are used, which the worker logs.
+    layer per block): there the default is kept and per-layer copies are used,
+    which the worker logs.
     """
     try:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends

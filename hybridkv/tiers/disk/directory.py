@@ -44,7 +44,7 @@ from hybridkv.tiers.log_once import LogOnce
 
 logger = logging.getLogger(__name__)
 
-REFRESH_EVERY_S = 1.0
+RESCAN_EVERY_S = 1.0
 
 
 class SegmentDirectory:
@@ -72,7 +72,7 @@ class SegmentDirectory:
         self.lost: set[Segment] = set()
         """Dropped segments whose fd waits for its last reader or writer."""
         self.temp_ids = itertools.count()
-        self.last_refresh = 0.0
+        self.last_rescan = 0.0
         self.last_sweep = time.monotonic()
         self.last_mtime_ns = 0
         make_private_dir(paths.root, symlink_ok=not paths.root_is_ours)
@@ -84,10 +84,12 @@ class SegmentDirectory:
         num_temp = 0
         if not self.read_only:  # the writer lock says no one else is writing
             num_temp = sum(unlink(path, self.log) for path in listing.temps)
-        bad = [(e.path, e.name, "foreign file") for e in listing.others if not e.is_dir()]
+        bad: list[tuple[str, str, str]] = []
         for entry in listing.others:
             if entry.is_dir():
                 self.log.warning("dir", "leaving directory %s alone", entry.path)
+            else:
+                bad.append((entry.path, entry.name, "foreign file"))
         found: list[tuple[int, int, Segment]] = []
         for seq, path in listing.segments.items():
             loaded = self.load(seq, path)
@@ -105,24 +107,33 @@ class SegmentDirectory:
             self.last_mtime_ns = max(self.last_mtime_ns, segment.mtime_ns)
             self.table.add(segment)
         read = [self.read_slots(segment) for segment in ordered]
-        self.table.index.reserve(sum(len(r.live) for r in read if r is not None))  # exact size
-        num_bad_slots = sum(
-            self.scan_slots(segment, r) for segment, r in zip(ordered, read, strict=True) if r
-        )
+        num_live = sum(len(slots.live) for slots in read if slots is not None)
+        self.table.index.reserve(num_live)  # exact size
+        num_bad_slots = 0
+        for segment, slots in zip(ordered, read, strict=True):
+            if slots:
+                num_bad_slots += self.scan_slots(segment, slots)
         self.stats.corrupt += num_bad + num_bad_slots
         if not self.read_only:
             self.take_over()
         if num_bad or num_bad_slots or num_temp:
             logger.warning(
                 "disk tier %s: start-up scan found %d bad files and %d damaged objects, "
-                "removed %d temp files", self.name, num_bad, num_bad_slots, num_temp,
-            )  # fmt: skip
-        self.last_refresh = time.monotonic()
-        table = self.table
+                "removed %d temp files",
+                self.name,
+                num_bad,
+                num_bad_slots,
+                num_temp,
+            )
+        self.last_rescan = time.monotonic()
         return ScanReport(
-            len(table.index), table.allocated, len(table.segments), num_bad + num_bad_slots,
-            num_temp, table.num_evicted,
-        )  # fmt: skip
+            num_objects=len(self.table.index),
+            num_bytes=self.table.allocated,
+            num_segments=len(self.table.segments),
+            num_quarantined=num_bad + num_bad_slots,
+            num_temp_removed=num_temp,
+            num_evicted=self.table.num_evicted,
+        )
 
     def take_over(self) -> None:
         """The writer's start: old segments are never appended to again, and a
@@ -177,14 +188,14 @@ class SegmentDirectory:
         """Read-only: rescan on a miss or after a while; True if it rescanned."""
         if not self.read_only:
             return False
-        if not missing and time.monotonic() - self.last_refresh < REFRESH_EVERY_S:
+        if not missing and time.monotonic() - self.last_rescan < RESCAN_EVERY_S:
             return False
-        self.refresh()
+        self.rescan()
         return True
 
-    def refresh(self) -> None:
+    def rescan(self) -> None:
         """Follow the writer: drop segments gone from disk, add new ones, read new slots."""
-        self.last_refresh = time.monotonic()
+        self.last_rescan = time.monotonic()
         on_disk = segments.list_root(self.paths.root).segments
         table = self.table
         for seq, segment in list(table.segments.items()):
@@ -205,7 +216,7 @@ class SegmentDirectory:
             except OSError:
                 continue
             if isinstance(header, str) or header.seq != segment.seq:
-                continue  # being reused: gone from disk by the next refresh
+                continue  # being reused: gone from disk by the next rescan
             self.stats.corrupt += self.scan_slots(segment)
             segment.sealed = header.sealed  # sealed before this scan: nothing more to come
 
@@ -237,15 +248,18 @@ class SegmentDirectory:
             self.lost.discard(segment)
 
     def sweep(self) -> None:
-        """Writer, at most every ``REFRESH_EVERY_S``: files dropped in from outside (a
+        """Writer, at most every ``RESCAN_EVERY_S``: files dropped in from outside (a
         segment name no segment of ours has, any other file) go to quarantine, counted
         corrupt, as the start-up scan does."""
-        if self.read_only or time.monotonic() - self.last_sweep < REFRESH_EVERY_S:
+        if self.read_only or time.monotonic() - self.last_sweep < RESCAN_EVERY_S:
             return
         self.last_sweep = time.monotonic()
         listing = segments.list_root(self.paths.root, keep=self.paths.kept)
-        now = self.table.segments.values()
-        ours = {s.seq for s in now} | {s.reuse_seq for s in now if not s.ready.is_set()}
+        ours: set[int] = set()
+        for segment in self.table.segments.values():
+            ours.add(segment.seq)
+            if not segment.ready.is_set():
+                ours.add(segment.reuse_seq)  # the file it is taking over
         bad = [path for seq, path in listing.segments.items() if seq not in ours]
         bad += [e.path for e in listing.others if e.is_file(follow_symlinks=False)]
         for path in bad:
@@ -257,14 +271,18 @@ class SegmentDirectory:
         temp = self.paths.temp(os.getpid(), next(self.temp_ids))
         reuse = segment.reuse
         if reuse is not None:
-            reuse_fd, reuse.fd = reuse.fd, -1
+            reuse_fd = reuse.fd
+            reuse.fd = -1  # the new segment owns the file now
         try:
             segment.fd = prepare_file(
-                temp, segment.path, size=segment.size, header=segment.header.pack(),
+                temp,
+                segment.path,
+                size=segment.size,
+                header=segment.header.pack(),
                 reuse=None if reuse is None else (reuse_fd, reuse.path),
                 sync_data=self.fsync is not FsyncPolicy.NEVER,
                 sync_dir=self.fsync is FsyncPolicy.ALWAYS,
-            )  # fmt: skip
+            )
         except OSError as exc:
             self.log.warning("open", "preparing %s: %s", segment.path, exc)
             segment.failed = True
@@ -280,9 +298,12 @@ class SegmentDirectory:
             if self.removed(segment):
                 return False
             segments.write_run(
-                segment.fd, segment.seq, run, sync_data=self.fsync is not FsyncPolicy.NEVER,
+                segment.fd,
+                segment.seq,
+                run,
+                sync_data=self.fsync is not FsyncPolicy.NEVER,
                 sync_slots=self.fsync is FsyncPolicy.ALWAYS,
-            )  # fmt: skip
+            )
         except OSError as exc:
             self.log.warning("write", "writing %s: %s", segment.path, exc)
             return False
@@ -333,9 +354,14 @@ class SegmentDirectory:
             self.log.warning("flags", "writing the flags of %s: %s", segment.path, exc)
 
     def damaged(
-        self, segment: Segment, slot: int, reason: str, *, digest: str = "",
+        self,
+        segment: Segment,
+        slot: int,
+        reason: str,
+        *,
+        digest: str = "",
         entry: Entry | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A damaged object: the writer keeps a copy in quarantine and marks its slot dead."""
         logger.warning(
             "disk tier %s: damaged object in %s slot %d: %s", self.name, segment.path, slot, reason

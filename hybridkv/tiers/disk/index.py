@@ -2,7 +2,7 @@
 
 Any process that opens a disk tier; not thread-safe (``DiskTier`` calls it under
 its lock). A terabyte of 16 KiB objects is 64 million objects, too many for a
-dict of Python objects per key (README, Performance), so each object is a row of
+dict of Python objects per key (docs/DECISIONS.md), so each object is a row of
 numpy arrays instead (28 B: the key's 16-byte digest, in ``DigestTable``, then the
 segment's number, the slot and the payload offset in pages) plus its share of
 the table's buckets.

@@ -3,8 +3,8 @@ dead, damaged or empty; and what a start-up scan found.
 
 Any process; reads only. The start-up scan and a read-only instance's rescans
 index what this finds. It takes the decisions of ``segments.parse_slot`` for a
-chunk of slots at once, in numpy: parsing each slot in Python made a restart of a
-large tier take minutes (README, Performance). A slot that is neither empty, dead
+chunk of slots at once, in numpy: parsing each slot in Python would make a restart
+of a large tier take minutes. A slot that is neither empty, dead
 nor a valid live one goes through ``parse_slot`` itself, which names what is wrong
 with it.
 """

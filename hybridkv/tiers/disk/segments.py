@@ -1,10 +1,9 @@
 """On-disk format of the disk tier: segment files with a slot table.
 
 Pure functions over file descriptors, any process. Creating files, not
-writing bytes, is the slow part of storing one object per file (more than
-writing 256 KiB of it, on ext4; ``benchmarks/bench_tiers.py``), so the disk
-tier appends objects into large preallocated segment
-files and reuses a whole file when it evicts one. A segment file is named
+writing bytes, is the slow part of storing one object per file, so the disk
+tier appends objects into large preallocated segment files and reuses a whole
+file when it evicts one. A segment file is named
 ``<seq:016x>.seg`` (``disk.paths``; ``seq`` grows with every new or reused file) and holds:
 
     [0, 4096)               segment header

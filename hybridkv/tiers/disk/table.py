@@ -313,8 +313,7 @@ class SegmentTable:
     def _pass_over(self, victims: list[Segment], work: FileWork) -> None:
         """A second chance: hit segments less recently used than the newest reused victim
         lose their hit and become the most recently used (a clock over reused segments:
-        what was hit once is not kept for ever, which froze out newer reused blocks in
-        ``benchmarks/bench_eviction.py``)."""
+        what was hit once is not kept for ever, so newer reused blocks find room too)."""
         if self.plain_lru or not any(victim.reused for victim in victims):
             return  # nothing reused goes (always so with ``admission: all``): no pass
         gone = {victim.seq for victim in victims}
@@ -334,9 +333,9 @@ class SegmentTable:
         a system prompt); None when too few are idle. Admission sends a store that was not
         reused on only where this picks no marked segment (``DiskTier.evicts_reused``);
         one that comes anyway (``admission: all``, marks left from an earlier run) still
-        finds room. (Segmented LRU without a cap on the protected part: in
-        ``benchmarks/bench_eviction.py`` a part kept for first sightings lost more reused
-        hits than it won second sightings.) ``plain_lru``: least recently used first,
+        finds room. (Segmented LRU without a cap on the protected part: a part kept for
+        first sightings would cost more reused hits than it wins second sightings.)
+        ``plain_lru``: least recently used first,
         marks or not (while most first sightings come back, ``connector.returns``)."""
         needed = self.allocated + num_bytes - self.capacity_bytes
         if needed <= 0:

@@ -89,16 +89,19 @@ class MooncakeAccounting:
                 full = False
         if full:
             self.log.warning(
-                "full", "the pool refused stores: no room (-200) until the master evicts; "
+                "full",
+                "the pool refused stores: no room (-200) until the master evicts; "
                 "they are skipped and counted (fix: more daemon memory, or a lower "
                 "eviction_high_watermark_ratio on the master)",
-            )  # fmt: skip
+            )
             return PutStatus.FULL
         if code == McCode.INVALID_PARAMS:
             self.log.warning(
-                "put-invalid", "the pool refused an object of %d bytes as invalid (-600); "
-                "objects like it are skipped", payload_bytes + HEADER_BYTES,
-            )  # fmt: skip
+                "put-invalid",
+                "the pool refused an object of %d bytes as invalid (-600); "
+                "objects like it are skipped",
+                payload_bytes + HEADER_BYTES,
+            )
         unexpected.append(code)
         return PutStatus.ERROR
 

@@ -32,7 +32,7 @@ ROOM_BYTES = 64
 CHUNK_BYTES = 64 << 20
 """Batches larger than this go in calls of about this size, two in flight, so one chunk's
 checksums run while Mooncake moves another. Each extra call costs more than it hides at
-smaller sizes (``benchmarks/bench_pool.py``; figures in README, Performance)."""
+smaller sizes (``benchmarks/bench_pool.py``; figures in docs/DECISIONS.md)."""
 MAX_CHUNKS = 4
 
 

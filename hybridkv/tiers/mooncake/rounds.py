@@ -86,7 +86,7 @@ def share_work(
     """``[work(item) for item in items]``, with ``helper`` (one spare thread) taking items too.
 
     Numpy copies and xxh3 release the GIL, so two threads stage or check a
-    round in ~0.7 of the time of one (64 x 256 KiB on 2 cores). Both claim
+    round in less time than one, even on two cores. Both claim
     the next item from one counter: a helper kept off the CPU by other
     processes leaves the items to the caller instead of holding the round up.
     Returns only when no ``work`` call is running any more.

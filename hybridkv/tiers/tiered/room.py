@@ -8,9 +8,9 @@ evicting, the batch goes on whether or not it was reused. A tier that answers
 its usage from memory (``Tier.local_usage``: the disk) is asked for every
 batch, with the bytes still queued for write-back counted against it; a pool
 answers over the network, so its usage is read at most once per
-``refresh_s`` and the bytes sent since are counted against it. (Reading the
-disk's usage once a second made a full disk look fuller the more batches came
-in that second, and held back more on a busy machine.) Once a tier is full, a
+``reread_s`` and the bytes sent since are counted against it. (The disk's usage
+read once a second would make a full disk look fuller the more batches came in
+that second, and hold back more the busier the machine.) Once a tier is full, a
 batch still goes on where what it would evict there holds nothing admitted as
 reused (``Tier.evicts_reused``, False): evicting one unreused block for
 another is plain recency, which admission must not lose to. A tier that
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from hybridkv.tiers.base import Tier, TierUsage
 from hybridkv.tiers.tiered.guard import TierGuard
 
-REFRESH_S = 1.0
+REREAD_S = 1.0
 """How old a slower tier's usage may be before it is read again."""
 
 
@@ -40,14 +40,14 @@ class SlowerRoom:
         guard: TierGuard,
         *,
         queued: Callable[[], int] = lambda: 0,
-        refresh_s: float = REFRESH_S,
+        reread_s: float = REREAD_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._tiers = tuple(tiers)
         self._guard = guard
         self._queued = queued
         """Bytes queued for the slower tiers and not written yet (write-back)."""
-        self._refresh_s = refresh_s
+        self._reread_s = reread_s
         self._clock = clock
         self._remote = [i for i in range(1, len(self._tiers)) if not self._tiers[i].local_usage]
         self._free: dict[int, int | None] = {}
@@ -66,7 +66,7 @@ class SlowerRoom:
             return False
         with self._lock:
             now = self._clock()
-            if self._remote and (self._read_at is None or now - self._read_at >= self._refresh_s):
+            if self._remote and (self._read_at is None or now - self._read_at >= self._reread_s):
                 self._free = {i: self._read_free(i) for i in self._remote}
                 self._sent = 0
                 self._read_at = now

@@ -104,10 +104,12 @@ class TieredStore(Admitting, Tier):
         self._num_lost = 0
         self._lock = threading.Lock()
         self._changes: ChangeLog | None = None
-        first = self.tiers[0].memory()
-        self._first_memory = first
-        send_on = self._sends_all
-        self._memory = None if first is None else StoreMemory(first, self._send_on, send_on=send_on)
+        self._first_memory = self.tiers[0].memory()
+        self._memory = (
+            None
+            if self._first_memory is None
+            else StoreMemory(self._first_memory, self._send_on, send_on=self._sends_all)
+        )
         self._write_back = (
             WriteBack(
                 self._write_lower,
@@ -210,8 +212,9 @@ class TieredStore(Admitting, Tier):
         target = self._promote_to
         moved = [j for j, source in enumerate(sources) if source not in (-1, target)]
         if target is not None and moved:
-            promoted_keys, promoted_buffers = [keys[j] for j in moved], [buffers[j] for j in moved]
-            self._put_into(target, promoted_keys, promoted_buffers, what="promote")
+            self._put_into(
+                target, [keys[j] for j in moved], [buffers[j] for j in moved], what="promote"
+            )
 
     def put_many(
         self,

@@ -303,8 +303,9 @@ class ValkeyTier(Tier):
         """``answer``; a redirect also drops the slot map, to be read again."""
         if _is_redirect(answer):
             self._slots = None
-            self._log.warning("redirect", "the cluster answered %r: reading its slots again",
-                              answer.message)  # fmt: skip
+            self._log.warning(
+                "redirect", "the cluster answered %r: reading its slots again", answer.message
+            )
         return answer
 
     def _staging(self, num_bytes: int) -> Buffer:
@@ -329,9 +330,11 @@ class ValkeyTier(Tier):
             return PutStatus.EXISTS
         if isinstance(answer, ErrorReply) and answer.message.startswith("OOM"):
             self._log.warning(
-                "full", "the server refused stores: %s; they are skipped and counted (fix: "
-                "maxmemory-policy allkeys-lru, or a larger maxmemory)", answer.message,
-            )  # fmt: skip
+                "full",
+                "the server refused stores: %s; they are skipped and counted (fix: "
+                "maxmemory-policy allkeys-lru, or a larger maxmemory)",
+                answer.message,
+            )
             self._bump(put_skipped_full=1)
             return PutStatus.FULL
         if not _is_redirect(answer):  # logged by _checked

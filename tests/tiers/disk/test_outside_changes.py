@@ -52,7 +52,7 @@ def test_segment_removed_from_outside_is_stored_again(tmp_path: Path) -> None:
 def test_files_dropped_in_are_quarantined_by_the_writer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(directory, "REFRESH_EVERY_S", 0.0)
+    monkeypatch.setattr(directory, "RESCAN_EVERY_S", 0.0)
     root = tmp_path / "kv"
     tier = disk_tier(root)
     assert tier.put_many([key(0)], [payload("0", NUM_BYTES)]) == [PutStatus.OK]

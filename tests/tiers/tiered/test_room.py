@@ -41,7 +41,7 @@ def room_over_disk(
     second = DiskTier(config)
     guard = TierGuard("test", ["cpu", "disk"], logging.getLogger(__name__))
     waiting = queued if queued is not None else [0]
-    room = SlowerRoom([first, second], guard, queued=lambda: waiting[0], refresh_s=1.0, clock=clock)
+    room = SlowerRoom([first, second], guard, queued=lambda: waiting[0], reread_s=1.0, clock=clock)
     return room, second, first
 
 
@@ -112,7 +112,7 @@ def test_a_pool_has_room_only_where_its_server_tells_its_capacity(tmp_path: Path
         ValkeyServer(maxmemory_bytes=64 * MIB) as server,
         ValkeyTier(ValkeyConfig(port=server.valkey_port)) as valkey,
     ):
-        room = SlowerRoom([first, valkey], guard, refresh_s=1.0, clock=clock)
+        room = SlowerRoom([first, valkey], guard, reread_s=1.0, clock=clock)
         assert not room.take(64 * MIB)  # valkey's own memory already takes some
         assert room.take(30 * MIB)
         assert room.take(30 * MIB)
