@@ -31,16 +31,14 @@ from hybridkv.tiers.base import (
     GetStatus,
     PutStatus,
     StoreKey,
-    Tier,
-    TierChanges,
     TierMedium,
     TierMemory,
     TierReach,
     TierStats,
-    TierUsage,
     check_batch,
     check_sizes,
 )
+from hybridkv.tiers.books import BookkeepingTier
 from hybridkv.tiers.codec import key_digests
 from hybridkv.tiers.config import LoadWeight, TierConfigBase
 from hybridkv.tiers.cpu_index import ArenaIndex, Outstanding
@@ -84,7 +82,7 @@ class CpuConfig(TierConfigBase):
         return CpuTier(self)
 
 
-class CpuTier(Tier):
+class CpuTier(BookkeepingTier):
     """Objects in one arena; least recently used (put, hit, borrow or touch) evicted first.
 
     Thread-safe: one lock guards the index and the copies (a copy of a block is
@@ -310,7 +308,8 @@ class CpuTier(Tier):
     # Bookkeeping ---------------------------------------------------------------------
 
     def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
-        """``Tier.touch_many`` in one native batch (not gets); passes: ``LruObjects.grant``."""
+        """See ``Tier.touch_many``: one native batch (not counted as gets); passes given
+        replace those the objects had (``LruObjects.grant``)."""
         digests = key_digests(keys)
         with self._lock:
             self._check_open()
@@ -336,29 +335,6 @@ class CpuTier(Tier):
                 self._index.drop(row)
         return len(present)
 
-    def log_changes(self, changes: TierChanges) -> bool:
-        """Commits, evictions, deletes and corrupt drops, recorded under this tier's lock
-        (removals by key digest: the index keeps no keys)."""
-        changes.keep_digests()
-        with self._lock:
-            self._check_open()
-            self._index.changes = changes
-        return True
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(
-                num_objects=len(self._index.stored),
-                used_bytes=self._index.used_bytes,
-                capacity_bytes=self.capacity_bytes,
-            )
-
-    def stats(self) -> TierStats:
-        with self._lock:
-            stats = TierStats(**self._stats.as_dict())
-            stats.evictions = self._index.num_evictions
-        return stats
-
     def lru_digests(self) -> list[bytes]:
         """Key digests (``codec.key_digest``) of the stored objects, least recently used
         first (evicted first unless borrowed)."""
@@ -383,6 +359,9 @@ class CpuTier(Tier):
             self._arena = np.empty(0, dtype=np.uint8)
             self._arena_owner = None
             self._tensor = None
+
+    def _books(self) -> ArenaIndex:
+        return self._index
 
     def _check_open(self) -> None:
         if self._closed:

@@ -58,9 +58,13 @@ class ArenaIndex:
         """Rounded bytes of every extent eviction may not take."""
         self.used_bytes = 0
         """Bytes of the stored objects."""
-        self.num_evictions = 0
+        self.num_evicted = 0
         self.changes: TierChanges | None = None
         """Told of every object stored (by key) and removed (by digest): ``Tier.log_changes``."""
+
+    @property
+    def num_objects(self) -> int:
+        return len(self.stored)
 
     def find(self, digests: bytes) -> Rows:
         """The row of each stored object (concatenated digests), NONE where absent
@@ -127,7 +131,7 @@ class ArenaIndex:
                 return None
             evicted += allocator.rounded(int(self.stored.sizes[victim]))
             self.drop(victim)
-            self.num_evictions += 1
+            self.num_evicted += 1
             offset = allocator.allocate(total)
         if offset is None:
             return None
@@ -151,7 +155,7 @@ class ArenaIndex:
             if victim == NONE:
                 return None  # pinned extents split the free room
             self.drop(victim)
-            self.num_evictions += 1
+            self.num_evicted += 1
             offset = self._allocator.allocate(num_bytes)
         return offset
 

@@ -94,30 +94,6 @@ def _touch(narrow: Narrow, ends: Rows, rows: Rows) -> None:  # pragma: no cover 
 
 
 @njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
-def _add(
-    buckets: Buckets,
-    keys: Digests,
-    meta: Rows,
-    wide: Wide,
-    narrow: Narrow,
-    ends: Rows,
-    new_keys: Digests,
-    new_wide: Wide,
-    out: Rows,
-    entry: int,
-) -> None:  # pragma: no cover - native
-    """New objects, each the most recent in turn, with marks ``entry`` (``out``: its row;
-    NONE for a digest present already). The caller made room for all."""
-    for i in range(len(new_keys)):
-        row = claim_one(buckets, keys, meta, new_keys[i, 0], new_keys[i, 1])
-        out[i] = row
-        if row >= 0:
-            wide[row, _OFFSET], wide[row, _SIZE] = new_wide[i, _OFFSET], new_wide[i, _SIZE]
-            narrow[row, _BORROWS], narrow[row, _MARKS] = 0, entry
-            _link_newest(narrow, ends, row)
-
-
-@njit(nogil=True, cache=True)  # type: ignore[untyped-decorator]
 def _settle(
     buckets: Buckets,
     keys: Digests,
@@ -128,15 +104,19 @@ def _settle(
     changes: Rows,
     change_keys: Digests,
     change_wide: Wide,
+    out: Rows,
     entry: int,
 ) -> int:  # pragma: no cover - native
-    """Apply deferred changes in order: touch row ``changes[i]``, or ``_ADD`` an object,
-    or ``_TOUCH_ADDED`` one; returns how many adds found their digest present."""
+    """Apply changes in order: touch row ``changes[i]``, or ``_ADD`` an object (the most
+    recent, with marks ``entry``; ``out[i]``: its row, NONE for a digest present
+    already), or ``_TOUCH_ADDED`` one; returns how many adds found their digest present.
+    The caller made room for every add."""
     num_present = 0
     for i in range(len(changes)):
         row = changes[i]
         if row == _ADD:
             row = claim_one(buckets, keys, meta, change_keys[i, 0], change_keys[i, 1])
+            out[i] = row
             if row < 0:
                 num_present += 1
                 continue
@@ -256,9 +236,10 @@ class LruObjects:
         """New objects, most recent last; NONE for a digest present already."""
         table = self._make_room(len(digests))
         out = np.empty(len(digests), np.int64)
+        changes = np.full(len(digests), _ADD, np.int64)
         new_wide = np.stack([offsets, sizes], axis=1).astype(np.int64)
-        args = (self._wide, self._narrow, self._ends, digests, new_wide, out, self._entry)
-        _add(table.buckets, table.keys, table.meta, *args)
+        args = (self._wide, self._narrow, self._ends, changes, digests, new_wide, out, self._entry)
+        _settle(table.buckets, table.keys, table.meta, *args)
         return out
 
     def _make_room(self, num_new: int) -> DigestTable:
@@ -334,6 +315,7 @@ class LruObjects:
             changes,
             change_keys,
             change_wide,
+            np.empty(len(later), np.int64),
             self._entry,
         )
         num_present = _settle(table.buckets, table.keys, table.meta, *args)

@@ -6,9 +6,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hybridkv.connector.metadata import LoadOutcome
+from hybridkv.connector.metadata import BlockRef, LoadOutcome
 from hybridkv.connector.setup import build_store
-from hybridkv.groups import GroupKind
+from hybridkv.groups import GroupKind, ModelGroups
 from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
@@ -209,28 +209,38 @@ def test_a_full_cpu_tier_drops_blocks_and_they_are_sent_again(tmp_path: Path) ->
     )
 
 
-def test_blocks_gone_from_every_tier_are_sent_again(tmp_path: Path) -> None:
-    model_groups = make_groups((FULL,))
+def _disk_engine(
+    tmp_path: Path, kinds: tuple[GroupKind, ...]
+) -> tuple[ModelGroups, DiskTier, SimEngine]:
+    """An engine whose only tier is the real disk tier, and that tier."""
+    model_groups = make_groups(kinds)
     config = make_config(tmp_path)
     tier = DiskTier(disk_config(config))
-    engine = make_engine(model_groups, config, store=TieredStore([tier]))
+    return model_groups, tier, make_engine(model_groups, config, store=TieredStore([tier]))
+
+
+def _computed(engine: SimEngine, req_id: str) -> list[BlockRef]:
+    """Run an added request to its end and settle; the blocks it reported stored."""
+    num_before = len(engine.reported("stored"))
+    run_to_end(engine, req_id, chunk=16)
+    engine.settle()
+    assert engine.finish(req_id) is False
+    return engine.reported("stored")[num_before:]
+
+
+def test_blocks_gone_from_every_tier_are_sent_again(tmp_path: Path) -> None:
+    model_groups, tier, engine = _disk_engine(tmp_path, (FULL,))
     tokens = prompt(33)
     engine.add("a", tokens)
-    run_to_end(engine, "a", chunk=16)
-    engine.settle()
-    assert engine.finish("a") is False
-    stored = engine.reported("stored")
+    stored = _computed(engine, "a")
     num_blocks = len(stored)
     assert num_blocks and set(stored) == set(block_refs(model_groups, tokens, 0, range(num_blocks)))
     # Gone from outside (a pool restarted empty, files removed): nothing reports it.
     keys = block_keys(model_groups, tokens, 0, range(num_blocks))
     assert tier.delete_many(keys) == num_blocks
     assert engine.add("b", tokens) == 0  # the lookup finds none of them
-    run_to_end(engine, "b", chunk=16)
-    engine.settle()
-    again = engine.reported("stored")[len(stored) :]
+    again = _computed(engine, "b")
     assert sorted(again) == sorted(stored), "recomputed blocks are stored again"
-    assert engine.finish("b") is False
     assert engine.add("c", tokens) == 32
     close_engine(engine)
 
@@ -238,25 +248,16 @@ def test_blocks_gone_from_every_tier_are_sent_again(tmp_path: Path) -> None:
 def test_every_group_is_sent_again_when_the_first_misses(tmp_path: Path) -> None:
     # The lookup stops at the full group's first miss and never asks about the sliding
     # window's blocks; they were lost too and must be stored again with the full ones.
-    model_groups = make_groups((FULL, SW))
-    config = make_config(tmp_path)
-    tier = DiskTier(disk_config(config))
-    engine = make_engine(model_groups, config, store=TieredStore([tier]))
+    model_groups, tier, engine = _disk_engine(tmp_path, (FULL, SW))
     tokens = prompt(33)
     engine.add("a", tokens)
-    run_to_end(engine, "a", chunk=16)
-    engine.settle()
-    assert engine.finish("a") is False
-    stored = engine.reported("stored")
+    stored = _computed(engine, "a")
     assert {ref.group_id for ref in stored} == {0, 1}, stored
     for group_id in (0, 1):
         tier.delete_many(block_keys(model_groups, tokens, group_id, range(8)))
     assert engine.add("b", tokens) == 0
-    run_to_end(engine, "b", chunk=16)
-    engine.settle()
-    again = engine.reported("stored")[len(stored) :]
+    again = _computed(engine, "b")
     assert sorted(again) == sorted(stored), "both groups' recomputed blocks are stored again"
-    assert engine.finish("b") is False
     assert engine.add("c", tokens) == 32
     close_engine(engine)
 

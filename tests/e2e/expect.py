@@ -28,6 +28,37 @@ def full_hit_tokens(num_prompt_tokens: int, facts: dict[str, Any]) -> int:
     return (num_prompt_tokens - 1) // align * align
 
 
+def assert_full_hits(
+    step: dict[str, Any], facts: dict[str, Any], where: str | None = None
+) -> list[int]:
+    """Every prompt of ``step`` hit as far as the engine's alignment allows
+    (``full_hit_tokens``); those hits, one per prompt."""
+    expected = [full_hit_tokens(n, facts) for n in step["num_prompt_tokens"]]
+    assert step["num_cached_tokens"] == expected, where or describe(step)
+    return expected
+
+
+def assert_loaded_from_tiers(
+    step: dict[str, Any],
+    facts: dict[str, Any],
+    where: str | None = None,
+    *,
+    tier: str | None = None,
+) -> list[int]:
+    """``assert_full_hits``, every hit counted by vLLM as external and loaded by one
+    finished load per prompt, none failed (with ``tier``: every loaded block read from
+    that tier); the hits."""
+    where = where or describe(step)
+    expected = assert_full_hits(step, facts, where)
+    assert step["metrics"].get(EXTERNAL_HITS, 0.0) == sum(expected) > 0, where
+    stats = step["connector"]
+    assert counter(stats, "loads", outcome="ok") == len(expected), where
+    assert counter(stats, "loads", outcome="failed") == 0, where
+    if tier is not None:
+        assert counter(stats, "tier_reads", tier=tier) == summed(stats, "loaded_blocks") > 0
+    return expected
+
+
 def needed_blocks(facts: dict[str, Any], hit_tokens: int) -> list[int]:
     """Blocks per group a hybrid-aware load moves to resume at ``hit_tokens``.
 

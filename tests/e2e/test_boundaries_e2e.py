@@ -24,11 +24,11 @@ import pytest
 from hybridkv.tools.models import TinyModel, TinyModelKind, default_prompt_token_ids
 from tests.e2e.expect import (
     EXTERNAL_PREFILLED,
+    assert_full_hits,
     assert_same_outputs,
     counter,
     describe,
     engine_facts,
-    full_hit_tokens,
 )
 from tests.e2e.harness import Harness, PlanRun
 from tests.e2e.scenarios import RESET, connector_config, engine, generate
@@ -143,8 +143,7 @@ def test_prompts_on_and_around_the_alignment_hit_and_match(
     cold, warm = run.step("first", "boundary"), run.step("first", "boundary_warm")
     assert_same_outputs(cold, reference, model, "cold")
     assert_same_outputs(warm, reference, model, "warm")
-    expected = [full_hit_tokens(n, facts) for n in warm["num_prompt_tokens"]]
-    assert warm["num_cached_tokens"] == expected, describe(warm)
+    expected = assert_full_hits(warm, facts)
     # On the alignment the last block is left to compute; one past it, it is a hit.
     align = facts["alignment_tokens"]
     assert [n % align for n in warm["num_prompt_tokens"]] == [align - 1, 0, 1] * 2
@@ -164,8 +163,7 @@ def test_chunked_prefill_stores_mid_prompt_and_matches(
     cold, warm = run.step("chunked", "chunked_cold"), run.step("chunked", "chunked_warm")
     assert_same_outputs(cold, reference, model, "chunked cold")
     assert_same_outputs(warm, reference, model, "chunked warm")
-    expected = [full_hit_tokens(n, facts) for n in warm["num_prompt_tokens"]]
-    assert warm["num_cached_tokens"] == expected, describe(warm)
+    expected = assert_full_hits(warm, facts)
     assert counter(warm["connector"], "loads", outcome="ok") == len(expected), describe(warm)
 
 

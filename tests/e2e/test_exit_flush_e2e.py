@@ -13,7 +13,6 @@ the pause, the worker stops at the bound and says how many blocks it left.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,17 +20,15 @@ import pytest
 from hybridkv.tools.models import TinyModel, TinyModelKind
 from hybridkv.tools.pool import LocalPool
 from tests.e2e.expect import (
-    EXTERNAL_HITS,
+    assert_loaded_from_tiers,
     assert_same_outputs,
     counter,
     describe,
     engine_facts,
-    full_hit_tokens,
     summed,
 )
 from tests.e2e.harness import Harness, PlanRun
 from tests.e2e.scenarios import GROUPS, base_prompts, engine, generate
-from tests.support.servers import ValkeyServer
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +38,6 @@ loaded machine), so every write-back is still queued when the process ends."""
 FLUSH_S = 90.0
 """The flush bound of the engines that must flush everything: past the pause."""
 KIND = TinyModelKind.GEMMA3
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[LocalPool]:
-    with ValkeyServer() as running:
-        yield running
 
 
 def tiers(valkey: LocalPool) -> list[dict[str, Any]]:
@@ -100,13 +91,8 @@ def test_a_restarted_engine_hits_what_a_process_ended_without_shutdown_stored(
     run = restarted(harness, valkey, f"exit-{how}-restarted", model)
     assert run.returncode == 0, run.describe_failure()
     again = run.step("R", "again")
-    facts = engine_facts(run, "R")
-    expected = [full_hit_tokens(n, facts) for n in again["num_prompt_tokens"]]
-    where = describe(again)
-    assert again["num_cached_tokens"] == expected, where
-    assert again["metrics"].get(EXTERNAL_HITS, 0.0) == sum(expected) > 0, where
-    assert counter(again["connector"], "loads", outcome="ok") == len(expected), where
-    assert summed(again["connector"], "loaded_blocks") > 0, where
+    assert_loaded_from_tiers(again, engine_facts(run, "R"))
+    assert summed(again["connector"], "loaded_blocks") > 0, describe(again)
     assert_same_outputs(again, first_run.step("alone", "first"), model, "after the restart")
 
 

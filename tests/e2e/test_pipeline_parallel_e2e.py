@@ -20,11 +20,10 @@ import pytest
 
 from hybridkv.tools.models import TinyModelKind
 from tests.e2e.expect import (
+    assert_full_hits,
     assert_same_outputs,
     counter,
-    describe,
     engine_facts,
-    full_hit_tokens,
     group_counter,
 )
 from tests.e2e.harness import Harness, PlanRun
@@ -85,8 +84,7 @@ def test_warm_and_restarted_engines_hit_and_match_the_engine_alone(
     for engine_label, label in (("first", "warm"), ("restarted", "restarted")):
         step = run.step(engine_label, label)
         assert_same_outputs(step, reference, model, f"{label}, pp 2 {partition}")
-        expected = [full_hit_tokens(n, facts) for n in step["num_prompt_tokens"]]
-        assert step["num_cached_tokens"] == expected, describe(step)
+        expected = assert_full_hits(step, facts)
         # Each stage loads its own layers: one finished load per request and stage.
         assert counter(step["connector"], "loads", outcome="ok") == 2 * len(expected)
     integrity = run.op("integrity", engine="first")

@@ -12,12 +12,9 @@ oldest are recomputed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
-
-os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
 
 from hybridkv.tools.models import TinyModelKind, default_prompt_token_ids
 from hybridkv.tools.pool import LocalPool

@@ -12,36 +12,25 @@ alone. Both families: sliding window + full, Mamba + full.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from hybridkv.tools.models import TinyModelKind
 from hybridkv.tools.pool import LocalPool
 from tests.e2e.expect import (
-    EXTERNAL_HITS,
+    assert_loaded_from_tiers,
     assert_same_outputs,
     counter,
     describe,
     engine_facts,
-    full_hit_tokens,
-    summed,
 )
 from tests.e2e.harness import Harness
 from tests.e2e.scenarios import RESET, base_prompts, engine, generate
-from tests.support.servers import ValkeyServer
 
 pytestmark = pytest.mark.slow
 
 KINDS = (TinyModelKind.GEMMA3, TinyModelKind.QWEN3_NEXT)
 PAUSE_MS = 10_000
 """How long valkey holds writes back: several times what the first run takes here."""
-
-
-@pytest.fixture(scope="module")
-def valkey() -> Iterator[LocalPool]:
-    with ValkeyServer() as running:
-        yield running
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
@@ -73,14 +62,7 @@ def test_a_request_right_after_a_store_hits_it_and_matches(
     where = describe(second)
     # The first run returned with its stores held back: none had reached valkey.
     assert counter(first["connector"], "tier_writes", tier="valkey") == 0, describe(first)
-    facts = engine_facts(run, "W")
-    expected = [full_hit_tokens(n, facts) for n in second["num_prompt_tokens"]]
-    assert second["num_cached_tokens"] == expected, where
-    assert second["metrics"].get(EXTERNAL_HITS, 0.0) == sum(expected) > 0, where
-    stats = second["connector"]
-    assert counter(stats, "load_store_waits") > 0, where
-    assert counter(stats, "loads", outcome="ok") == len(expected), where
-    assert counter(stats, "loads", outcome="failed") == 0, where
-    assert counter(stats, "tier_reads", tier="valkey") == summed(stats, "loaded_blocks") > 0
+    assert_loaded_from_tiers(second, engine_facts(run, "W"), where, tier="valkey")
+    assert counter(second["connector"], "load_store_waits") > 0, where
     (check,) = (r for r in run.records if r.get("op") == "integrity" and r["engine"] == "W")
     assert check["integrity"] == "ok", check

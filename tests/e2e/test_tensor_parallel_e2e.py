@@ -18,11 +18,11 @@ import pytest
 from hybridkv.tools.models import TinyModelKind
 from tests.e2e.expect import (
     EXTERNAL_HITS,
+    assert_full_hits,
     assert_same_outputs,
     counter,
     describe,
     engine_facts,
-    full_hit_tokens,
 )
 from tests.e2e.harness import Harness, PlanRun
 from tests.e2e.scenarios import RESET, base_prompts, engine, generate
@@ -74,8 +74,7 @@ def test_warm_and_restarted_engines_hit_and_match_the_engine_alone(harness: Harn
     for engine_label, label in (("first", "warm"), ("restarted", "restarted")):
         step = run.step(engine_label, label)
         assert_same_outputs(step, reference, model, f"{label}, tp 2")
-        expected = [full_hit_tokens(n, facts) for n in step["num_prompt_tokens"]]
-        assert step["num_cached_tokens"] == expected, describe(step)
+        expected = assert_full_hits(step, facts)
         # Each rank loads its own shard: one finished load per request and rank.
         assert counter(step["connector"], "loads", outcome="ok") == 2 * len(expected)
 

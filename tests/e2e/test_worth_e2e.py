@@ -8,14 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.tools.models import TinyModelKind
-from tests.e2e.expect import (
-    EXTERNAL_HITS,
-    assert_same_outputs,
-    counter,
-    describe,
-    engine_facts,
-    full_hit_tokens,
-)
+from tests.e2e.expect import assert_loaded_from_tiers, assert_same_outputs, engine_facts
 from tests.e2e.harness import Harness, PlanRun
 from tests.e2e.scenarios import first_engine
 
@@ -32,11 +25,7 @@ def test_worth_keeps_loads_whole_and_outputs_equal(
     run = harness.run(f"worth-{kind.value}", [plan])
     warm = run.step("first", "warm")
     assert_same_outputs(warm, baselines.step(f"baseline-{kind.value}", "cold"), model, "warm")
-    facts = engine_facts(run, "first")
-    expected = [full_hit_tokens(n, facts) for n in warm["num_prompt_tokens"]]
-    assert warm["num_cached_tokens"] == expected, describe(warm)
-    assert warm["metrics"].get(EXTERNAL_HITS, 0.0) == sum(expected) > 0, describe(warm)
-    assert counter(warm["connector"], "loads", outcome="failed") == 0, describe(warm)
+    assert_loaded_from_tiers(warm, engine_facts(run, "first"))
     concurrent = run.step("first", "concurrent")
     reference = baselines.step(f"baseline-{kind.value}", "concurrent")
     assert_same_outputs(concurrent, reference, model, "16 concurrent requests")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
 import tracemalloc
 import zlib
 
@@ -17,6 +16,7 @@ from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import checksum, key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.memory import ALIGN_BYTES, PAGE_BYTES, ExtentAllocator, allocate_arena
+from tests.support.threads import run_on_threads
 
 
 def digests(keys: list[StoreKey]) -> list[bytes]:
@@ -322,11 +322,7 @@ def test_threads_under_eviction_pressure_keep_bookkeeping_consistent() -> None:
             else:
                 tier.delete_many([k])
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_on_threads(work, num_threads=8)
     assert errors == []
     assert tier.stats().evictions > 0
     tier.check_integrity()

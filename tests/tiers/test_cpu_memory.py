@@ -4,7 +4,6 @@ model and under threads."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 import zlib
 from collections import Counter, OrderedDict
@@ -20,6 +19,7 @@ from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.cpu_index import Outstanding
 from hybridkv.tiers.memory import PAGE_BYTES
+from tests.support.threads import run_on_threads
 
 SLOT = 1000
 """Rounds to 1024 bytes: a tier of ``n * 1024`` bytes holds exactly ``n`` objects."""
@@ -416,11 +416,7 @@ def test_threads_borrowing_and_committing_keep_bytes_and_bookkeeping() -> None:
             else:
                 tier.delete_many([k])
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_on_threads(work, num_threads=8)
     assert errors == []
     assert tier.outstanding() == Outstanding(0, 0)
     assert tier.stats().evictions > 0

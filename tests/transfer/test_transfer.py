@@ -78,6 +78,11 @@ class MemoryTier(Tier):
         self.raise_next: Exception | None = None
         self.num_calls = 0
 
+    def hold(self) -> None:
+        """Close the gate: the next calls wait there, and ``entered`` is set by the first."""
+        self.gate.clear()
+        self.entered.clear()
+
     def _enter(self) -> None:
         self.num_calls += 1
         self.entered.set()
@@ -275,6 +280,14 @@ def wipe(kv: dict[str, torch.Tensor], value: int = 0x5A) -> None:
         t.view(torch.uint8).fill_(value)
 
 
+def store_then_wipe(
+    engine: TransferEngine, kv: dict[str, torch.Tensor], ids: list[list[int]]
+) -> None:
+    """Store the blocks ``ids`` name, then wipe the KV cache: only a load brings them back."""
+    assert run_job(engine, engine.submit_store(parts_for(ids))).ok
+    wipe(kv)
+
+
 def run_job(engine: TransferEngine, job_id: JobId | None) -> JobResult:
     assert job_id is not None
     assert engine.wait([job_id], timeout_s=30)
@@ -290,8 +303,7 @@ def assert_store_wipe_load_restores(
     saved: dict[tuple[str, int], torch.Tensor],
 ) -> None:
     """Store the blocks, overwrite the caches, load them back: the saved bytes return."""
-    assert run_job(engine, engine.submit_store(parts_for(ids))).ok
-    wipe(kv)
+    store_then_wipe(engine, kv, ids)
     assert run_job(engine, engine.submit_load(parts_for(ids))).ok
     for (name, b), want in saved.items():
         assert same_bytes(kv[name][b], want), (name, b)
@@ -489,8 +501,7 @@ def test_a_tier_answering_the_wrong_number_of_statuses_fails_the_job() -> None:
     fill_random(kv, seed=19)
     ids = pool_block_ids(ALL_KINDS, seed=20, per_group=2)
     with make_engine(kv, ALL_KINDS, tier) as engine:
-        assert run_job(engine, engine.submit_store(parts_for(ids))).ok
-        wipe(kv)
+        store_then_wipe(engine, kv, ids)
         result = run_job(engine, engine.submit_load(parts_for(ids)))
         assert result.num_failed == 8
         assert "returned 7 statuses for 8 keys" in (result.detail or "")
@@ -531,10 +542,8 @@ def test_load_past_its_timeout_fails_and_its_late_bytes_are_dropped(tier: Memory
     fill_random(kv, seed=11)
     ids = pool_block_ids(model_groups, seed=12, per_group=3)
     with make_engine(kv, model_groups, tier) as engine:
-        assert run_job(engine, engine.submit_store(parts_for(ids))).ok
-        wipe(kv)
-        tier.gate.clear()
-        tier.entered.clear()
+        store_then_wipe(engine, kv, ids)
+        tier.hold()
         job = engine.submit_load(parts_for(ids), timeout_s=0.05)
         assert tier.entered.wait(10)  # the tier call is running
         time.sleep(0.1)
@@ -555,10 +564,8 @@ def test_cancel_queued_and_running_jobs(tier: MemoryTier) -> None:
     fill_random(kv, seed=13)
     ids = pool_block_ids(model_groups, seed=14, per_group=2)
     with make_engine(kv, model_groups, tier) as engine:
-        assert run_job(engine, engine.submit_store(parts_for(ids))).ok
-        wipe(kv)
-        tier.gate.clear()
-        tier.entered.clear()
+        store_then_wipe(engine, kv, ids)
+        tier.hold()
         running = engine.submit_load(parts_for(ids))
         assert running is not None and tier.entered.wait(10)
         queued = engine.submit_load(parts_for(ids))
@@ -581,8 +588,7 @@ def test_cancel_queued_and_running_jobs(tier: MemoryTier) -> None:
 def test_loads_overtake_queued_stores(tier: MemoryTier) -> None:
     kv = build(ALL_KINDS, "block_major")
     with make_engine(kv, ALL_KINDS, tier) as engine:
-        tier.gate.clear()
-        tier.entered.clear()
+        tier.hold()
         first = engine.submit_store([TransferPart(0, [0], keys_for(0, [0]))])
         assert tier.entered.wait(10)
         store = engine.submit_store([TransferPart(0, [1], keys_for(0, [1]))])
@@ -596,8 +602,7 @@ def test_loads_overtake_queued_stores(tier: MemoryTier) -> None:
 def test_close_cancels_queued_jobs_and_refuses_new_ones(tier: MemoryTier) -> None:
     kv = build(ALL_KINDS, "block_major")
     engine = make_engine(kv, ALL_KINDS, tier)
-    tier.gate.clear()
-    tier.entered.clear()
+    tier.hold()
     running = engine.submit_store([TransferPart(0, [0], keys_for(0, [0]))])
     assert tier.entered.wait(10)
     queued = engine.submit_store([TransferPart(0, [1], keys_for(0, [1]))])

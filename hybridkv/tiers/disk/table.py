@@ -350,6 +350,15 @@ class SegmentTable:
             needed -= segment.size
         return picked if needed <= 0 else None
 
+    @property
+    def num_objects(self) -> int:
+        return len(self.index)
+
+    @property
+    def used_bytes(self) -> int:
+        """The segments' bytes (``allocated``): a segment's room is used until it goes."""
+        return self.allocated
+
     def check(self) -> None:
         """Raise AssertionError if index, segments and counters disagree."""
         held = list(self.segments.values())

@@ -30,12 +30,10 @@ from hybridkv.tiers.base import (
     GetStatus,
     PutStatus,
     StoreKey,
-    Tier,
-    TierChanges,
     TierStats,
-    TierUsage,
     check_batch,
 )
+from hybridkv.tiers.books import BookkeepingTier
 from hybridkv.tiers.codec import HeaderError, key_digest, key_digests
 from hybridkv.tiers.digest_table import digest_words
 from hybridkv.tiers.disk import index, preads, reads, segments
@@ -55,7 +53,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class DiskTier(Tier):
+class DiskTier(BookkeepingTier):
     """Objects in segment files; least recently used segment evicted first. Thread-safe.
 
     ``get_many_into`` reads straight into the caller's buffer and verifies it
@@ -351,29 +349,6 @@ class DiskTier(Tier):
                 num_deleted += 1
         return num_deleted
 
-    def log_changes(self, changes: TierChanges) -> bool:
-        """Objects its puts commit, by key; every removal (evictions, deletes, objects
-        found corrupt or removed from outside) by digest; all under this tier's lock."""
-        changes.keep_digests()
-        with self._lock:
-            self._check_open()
-            self._table.changes = changes
-        return True
-
-    def usage(self) -> TierUsage:
-        with self._lock:
-            return TierUsage(
-                num_objects=len(self._table.index),
-                used_bytes=self._table.allocated,
-                capacity_bytes=self.capacity_bytes,
-            )
-
-    def stats(self) -> TierStats:
-        with self._lock:
-            stats = TierStats(**self._stats.as_dict())
-            stats.evictions = self._table.num_evicted
-            return stats
-
     def _map(self, one: Callable[[int], T], count: int) -> list[T]:
         """``one`` of each index; the calling thread takes the first itself."""
         if self._pool is None or count < 2:
@@ -391,6 +366,9 @@ class DiskTier(Tier):
             self._pool.shutdown(wait=True)
         with self._lock:
             self._dir.close_files()
+
+    def _books(self) -> SegmentTable:
+        return self._table
 
     def _check_open(self) -> None:
         if self._closed:

@@ -9,7 +9,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from hybridkv.tiers.disk.segments import PAGE, SLOT_BYTES, Geometry, RecordInfo,
 from hybridkv.tiers.disk.tier import DiskTierInUse, FsyncPolicy
 from tests.support.corrupt import flip_payload_byte
 from tests.support.disk import disk_tier, get_one, key, payload, segment_bytes
+from tests.support.threads import run_on_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -511,11 +511,7 @@ def test_threads_under_eviction_pressure_keep_index_and_files_consistent(
             else:
                 tier.delete_many([k])
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_on_threads(work, num_threads=8)
     assert errors == []
     assert tier.stats().evictions > 0
     assert temp_files(tmp_path) == []

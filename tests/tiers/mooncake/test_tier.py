@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
@@ -27,9 +27,12 @@ from hybridkv.tools.servers import ServerRole
 from tests.support.servers import MIB, MooncakePool, timed, wait_for
 from tests.support.tier_data import (
     bad_values,
-    check_round_trip_matches_a_dict,
+    check_hung_server_costs_one_timeout,
+    check_reads_back,
+    check_stored_value_is_header_then_payload,
     new_keys,
     payloads,
+    round_trip_test,
 )
 
 OP_TIMEOUT_S = 1.0
@@ -224,15 +227,7 @@ def test_health_gate_call_after_the_recovery_probes_at_once_and_goes_through() -
 
 # -- data path --------------------------------------------------------------------------
 
-batch = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 300_000)), min_size=1, max_size=8)
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batches=st.lists(batch, min_size=1, max_size=4), wrong_size=st.booleans())
-def test_round_trip_matches_a_dict(
-    tier: MooncakeTier, batches: list[list[tuple[int, int]]], wrong_size: bool
-) -> None:
-    check_round_trip_matches_a_dict(tier, batches, wrong_size)
+test_round_trip_matches_a_dict = round_trip_test(max_object_bytes=300_000)
 
 
 def test_stats_and_usage_count_what_happened(pool: LocalPool) -> None:
@@ -271,10 +266,7 @@ def test_first_value_wins_and_delete_removes_leased_keys(tier: MooncakeTier) -> 
 
 
 def test_stored_value_is_codec_header_then_payload(tier: MooncakeTier, raw: Any) -> None:
-    key = new_keys(1)
-    (payload,) = payloads([12345], seed=2)
-    assert tier.put_many(key, [payload]) == [PutStatus.OK]
-    assert raw.get(key[0]) == pack_header(key[0], payload) + payload.tobytes()
+    check_stored_value_is_header_then_payload(tier, raw.get)
 
 
 @pytest.mark.parametrize("attempt", range(5))  # a slot reused too early shows only sometimes
@@ -465,9 +457,7 @@ def test_killed_daemon_costs_hits_not_time_and_recovers() -> None:
         assert tier.put_many([fresh], buffers[:1]) == [PutStatus.FULL]  # no memory left at all
         fault_pool.restart_daemon()
         wait_for(lambda: tier.put_many([fresh], buffers[:1]) == [PutStatus.OK], timeout_s=20)
-        assert tier.get_many_into([fresh], outs[:1]) == [GetStatus.OK]
-        assert np.array_equal(outs[0], buffers[0])
-        tier.check_integrity()
+        check_reads_back(tier, [fresh], buffers[:1])
 
 
 def test_tier_idle_after_a_daemon_outage_stores_at_once_when_it_is_back() -> None:
@@ -484,10 +474,7 @@ def test_tier_idle_after_a_daemon_outage_stores_at_once_when_it_is_back() -> Non
         wait_for(lambda: tier.healthy, timeout_s=10)  # no calls meanwhile
         keys = new_keys(8)
         assert tier.put_many(keys, buffers) == [PutStatus.OK] * 8
-        outs = [np.zeros(64 << 10, dtype=np.uint8) for _ in keys]
-        assert tier.get_many_into(keys, outs) == [GetStatus.OK] * 8
-        assert all(np.array_equal(o, b) for o, b in zip(outs, buffers, strict=True))
-        tier.check_integrity()
+        check_reads_back(tier, keys, buffers)
 
 
 def test_killed_master_answers_misses_at_once_and_recovers() -> None:
@@ -523,19 +510,12 @@ def test_hung_master_costs_one_timeout_then_recovers() -> None:
         assert tier.put_many(keys, buffers) == [PutStatus.OK] * 2
         fault_pool.pause(ServerRole.MASTER)
         try:
-            found, seconds = timed(lambda: tier.contains_many(keys))
-            assert found == [False, False]
-            assert OP_TIMEOUT_S * 0.9 < seconds < OP_TIMEOUT_S + 1.0
+            check_hung_server_costs_one_timeout(tier, keys, OP_TIMEOUT_S)
             assert not tier.healthy
-            found, seconds = timed(lambda: tier.contains_many(keys))
-            assert found == [False, False] and seconds < 0.2
         finally:
             fault_pool.resume(ServerRole.MASTER)
         wait_for(lambda: tier.contains_many(keys) == [True, True], timeout_s=20)
-        outs = [np.zeros(10_000, dtype=np.uint8) for _ in keys]
-        assert tier.get_many_into(keys, outs) == [GetStatus.OK] * 2
-        assert all(np.array_equal(o, b) for o, b in zip(outs, buffers, strict=True))
-        tier.check_integrity()
+        check_reads_back(tier, keys, buffers)
 
 
 def test_put_to_a_hung_master_costs_one_timeout_and_stores_nothing() -> None:
@@ -551,10 +531,7 @@ def test_put_to_a_hung_master_costs_one_timeout_and_stores_nothing() -> None:
         finally:
             fault_pool.resume(ServerRole.MASTER)
         wait_for(lambda: tier.put_many(keys, buffers) == [PutStatus.OK] * 8, timeout_s=20)
-        outs = [np.empty_like(buf) for buf in buffers]
-        assert tier.get_many_into(keys, outs) == [GetStatus.OK] * 8
-        assert all(np.array_equal(o, b) for o, b in zip(outs, buffers, strict=True))
-        tier.check_integrity()
+        check_reads_back(tier, keys, buffers)
 
 
 def test_tier_built_while_the_master_is_down_connects_later() -> None:
@@ -569,6 +546,4 @@ def test_tier_built_while_the_master_is_down_connects_later() -> None:
             assert tier.put_many(key, [buf]) == [PutStatus.ERROR]
             fault_pool.restart_master()
             wait_for(lambda: tier.put_many(key, [buf]) == [PutStatus.OK], timeout_s=20)
-            out = np.empty_like(buf)
-            assert tier.get_many_into(key, [out]) == [GetStatus.OK] and np.array_equal(out, buf)
-            tier.check_integrity()
+            check_reads_back(tier, key, [buf])

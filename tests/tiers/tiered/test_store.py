@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import threading
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
 from hybridkv.tiers.tiered.store import TieredStore
+from tests.support.threads import run_on_threads
 
 SIZE = 4096
 
@@ -355,11 +355,7 @@ def test_threads_with_write_back_and_eviction_stay_consistent(tmp_path: Path) ->
                     elif status not in (GetStatus.OK, GetStatus.MISS):
                         errors.append(f"{status} for {k}")
 
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_on_threads(work, num_threads=6)
     assert store.flush(timeout_s=60)
     assert errors == []
     assert cpu_tier.stats().evictions > 0 and disk_tier.stats().evictions > 0

@@ -13,12 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.connection import Encoder, PythonRespSerializer
 
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
-from hybridkv.tiers.codec import pack_header
 from hybridkv.tiers.registry import parse_tier_config
 from hybridkv.tiers.valkey.access import ValkeyAuthError, ValkeyTLSError
 from hybridkv.tiers.valkey.cluster import Node
@@ -30,9 +29,12 @@ from hybridkv.tools.servers import ServerRole
 from tests.support.servers import MIB, ValkeyServer, timed, wait_for
 from tests.support.tier_data import (
     bad_values,
-    check_round_trip_matches_a_dict,
+    check_hung_server_costs_one_timeout,
+    check_reads_back,
+    check_stored_value_is_header_then_payload,
     new_keys,
     payloads,
+    round_trip_test,
 )
 from tests.support.tls import make_certificates
 
@@ -201,15 +203,7 @@ def test_reply_reader_reads_what_a_server_writes(
 
 # -- data path --------------------------------------------------------------------------
 
-batch = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 200_000)), min_size=1, max_size=8)
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batches=st.lists(batch, min_size=1, max_size=4), wrong_size=st.booleans())
-def test_round_trip_matches_a_dict(
-    tier: ValkeyTier, batches: list[list[tuple[int, int]]], wrong_size: bool
-) -> None:
-    check_round_trip_matches_a_dict(tier, batches, wrong_size)
+test_round_trip_matches_a_dict = round_trip_test(max_object_bytes=200_000)
 
 
 def test_stats_usage_and_delete(server: LocalPool) -> None:
@@ -239,10 +233,7 @@ def test_databases_do_not_share_keys(server: LocalPool) -> None:
 
 
 def test_stored_value_is_codec_header_then_payload(tier: ValkeyTier, raw: redis.Redis) -> None:
-    key = new_keys(1)
-    (payload,) = payloads([12345], seed=2)
-    assert tier.put_many(key, [payload]) == [PutStatus.OK]
-    assert raw.get(key[0]) == pack_header(key[0], payload) + payload.tobytes()
+    check_stored_value_is_header_then_payload(tier, raw.get)
 
 
 def test_bad_values_written_behind_its_back_are_corrupt(tier: ValkeyTier, raw: redis.Redis) -> None:
@@ -352,9 +343,7 @@ def test_killed_server_answers_misses_at_once_and_recovers() -> None:
         fault_server.restart(ServerRole.VALKEY)
         (fresh,) = new_keys(1)
         wait_for(lambda: tier.put_many([fresh], buffers[:1]) == [PutStatus.OK], timeout_s=10)
-        assert tier.get_many_into([fresh], outs[:1]) == [GetStatus.OK]
-        assert np.array_equal(outs[0], buffers[0])
-        tier.check_integrity()
+        check_reads_back(tier, [fresh], buffers[:1])
 
 
 def test_hung_server_costs_one_timeout_then_recovers() -> None:
@@ -364,15 +353,8 @@ def test_hung_server_costs_one_timeout_then_recovers() -> None:
         assert tier.put_many(keys, buffers) == [PutStatus.OK] * 2
         fault_server.pause(ServerRole.VALKEY)
         try:
-            found, seconds = timed(lambda: tier.contains_many(keys))
-            assert found == [False, False]
-            assert OP_TIMEOUT_S * 0.9 < seconds < OP_TIMEOUT_S + 1.0
-            found, seconds = timed(lambda: tier.contains_many(keys))
-            assert found == [False, False] and seconds < 0.2
+            check_hung_server_costs_one_timeout(tier, keys, OP_TIMEOUT_S)
         finally:
             fault_server.resume(ServerRole.VALKEY)
         wait_for(lambda: tier.contains_many(keys) == [True, True], timeout_s=10)
-        outs = [np.zeros(10_000, dtype=np.uint8) for _ in keys]
-        assert tier.get_many_into(keys, outs) == [GetStatus.OK] * 2
-        assert all(np.array_equal(o, b) for o, b in zip(outs, buffers, strict=True))
-        tier.check_integrity()
+        check_reads_back(tier, keys, buffers)
