@@ -5,12 +5,12 @@ Runs in the scheduler process; a pure algorithm whose only I/O is the caller's
 absent it does after the search, from ``Hit.first_miss_token``. The answer
 equals vLLM's hybrid coordinator (cache-hit alignment ``alignment_tokens``, no
 sub-block hits): each kind of group either accepts the candidate length or
-shrinks it, and rounds repeat until no group shrinks it. Unlike the engine's
-per-block dictionary probes, every group is asked at most twice per round,
-batched over the block indices it needs in that round: first, where its rule
+shrinks it, and sweeps repeat until no group shrinks it. Unlike the engine's
+per-block dictionary probes, every group is asked at most twice per sweep,
+batched over the block indices it needs in that sweep: first, where its rule
 has one, only the blocks that settle the longest hit (a window's last run, the
 last state), then, if one of them is missing, the rest. Answers are remembered
-across rounds.
+across sweeps.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _as_bools(answer: object, num_asked: int, group_id: int) -> BoolArray | None
 
 
 class _GroupSearch:
-    """Groups with equal search keys, searched together; remembers answers across rounds."""
+    """Groups with equal search keys, searched together; remembers answers across sweeps."""
 
     def __init__(self, group_ids: list[int], group: KVGroup, num_blocks: int) -> None:
         self.group_ids = group_ids
@@ -249,7 +249,7 @@ def find_longest_hit(
 
     ``contains(group_id, block_ids)`` says, for one group, whether the store
     holds each block (group block i = tokens ``[i*block_size, (i+1)*block_size)``);
-    it is called at most twice per group per round. ``alignment_tokens`` (default:
+    it is called at most twice per group per sweep. ``alignment_tokens`` (default:
     LCM of the block sizes) is the granularity of the hit. ``use_eagle`` drops
     one block as vLLM does for EAGLE/MTP drafting, in the groups
     ``eagle_group_ids`` (None: every group, as vLLM when no group is flagged);
@@ -300,12 +300,12 @@ def drafting_groups(
 def _converge(
     searches: list[_GroupSearch], max_hit_tokens: int, contains: Contains, align: int
 ) -> int:
-    """Rounds over all searches until none shrinks the candidate (vLLM's fixed point)."""
+    """Sweeps over all searches until none shrinks the candidate (vLLM's fixed point)."""
     hit_tokens = max_hit_tokens
     # EAGLE drops a block once per search key and candidate; a shrink re-arms the drop.
     eagle_done: set[int] = set()
-    # One full-attention search plus one other: a single round settles it.
-    one_round = len(searches) == 2 and searches[0].rule.searched_once
+    # One full-attention search plus one other: a single sweep settles it.
+    one_sweep = len(searches) == 2 and searches[0].rule.searched_once
     while True:
         candidate = hit_tokens
         for index, search in enumerate(searches):
@@ -325,5 +325,5 @@ def _converge(
         if candidate >= hit_tokens:
             return hit_tokens
         hit_tokens = candidate
-        if one_round:
+        if one_sweep:
             return hit_tokens

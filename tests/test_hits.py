@@ -124,17 +124,17 @@ def test_different_page_sizes_are_searched_separately() -> None:
     assert hit == Hit(16, ((0, 1, 2, 3), (2, 3), (2, 3)))
 
 
-def test_passes_repeat_until_the_hit_stops_shrinking() -> None:
+def test_sweeps_repeat_until_the_hit_stops_shrinking() -> None:
     # Pass 1: Mamba shrinks 44 to 24. Pass 2: the window below 24 lacks block 4, so
     # the sliding window shrinks it to 16 and Mamba follows. Pass 3 changes nothing.
     groups = [full(4), swa(4, 8), mamba(4)]
     stored = [set(range(12)), set(range(12)) - {4}, {3, 5}]
     hit, store = lookup(groups, stored, 44)
     assert hit == Hit(16, ((0, 1, 2, 3), (2, 3), (3,)))
-    expected, passes = reference(groups, stored, 44)
-    assert hit == expected and passes == 3
+    expected, sweeps = reference(groups, stored, 44)
+    assert hit == expected and sweeps == 3
     assert len(store.calls_of(0)) == 1  # full attention: once, never again
-    assert all(len(store.calls_of(g)) <= passes for g in range(3))
+    assert all(len(store.calls_of(g)) <= sweeps for g in range(3))
 
 
 def test_first_full_group_is_asked_the_whole_range_once() -> None:
@@ -248,13 +248,13 @@ def test_matches_brute_force_reference(
     hit, store = lookup(
         groups, stored, max_hit_tokens, alignment_tokens=alignment, use_eagle=use_eagle
     )
-    expected, passes = reference(groups, stored, max_hit_tokens, alignment, use_eagle)
+    expected, sweeps = reference(groups, stored, max_hit_tokens, alignment, use_eagle)
     assert hit == expected
     align = alignment or math.lcm(*(g.block_size for g in groups))
     assert hit.num_tokens % align == 0 and 0 <= hit.num_tokens <= max_hit_tokens
     for g_id, group in enumerate(groups):
         calls = store.calls_of(g_id)
-        assert len(calls) <= 2 * passes, "more than two contains calls per group per pass"
+        assert len(calls) <= 2 * sweeps, "more than two contains calls per group per sweep"
         asked = [i for ids in calls for i in ids]
         assert len(asked) == len(set(asked)), "a block was asked twice"
         assert all(0 <= i < (max_hit_tokens + 1) // group.block_size for i in asked)

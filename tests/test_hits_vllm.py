@@ -156,7 +156,7 @@ STORE_STYLES = ("dense", "holes", "holes", "holes", "prefix", "sparse", "empty")
 
 
 def three_kind_groups(rng: random.Random) -> tuple[list[KVGroup], int | None, bool]:
-    """Sliding window + Mamba (+ full attention): where later passes shrink the hit."""
+    """Sliding window + Mamba (+ full attention): where later sweeps shrink the hit."""
     sizes = [rng.choice([1, 2, 4, 8]) for _ in range(3)]
     window = rng.randint(1, 4 * sizes[0] + 3)
     groups = [swa(sizes[0], window, name="a"), mamba(sizes[1], name="b"), full(sizes[2])]
@@ -170,7 +170,7 @@ def three_kind_groups(rng: random.Random) -> tuple[list[KVGroup], int | None, bo
 
 def test_matches_vllm_coordinator_on_random_layouts() -> None:
     rng = random.Random(0x5EED)
-    counts = {"cases": 0, "eagle": 0, "hits": 0, "one group": 0, "3+ passes": 0}
+    counts = {"cases": 0, "eagle": 0, "hits": 0, "one group": 0, "3+ sweeps": 0}
     for case in range(5000):
         make_groups = three_kind_groups if case % 5 == 4 else random_groups
         groups, alignment, use_eagle = make_groups(rng)
@@ -178,7 +178,7 @@ def test_matches_vllm_coordinator_on_random_layouts() -> None:
             alignment = None  # the engine aligns a single group to its block size
         align = alignment or math.lcm(*(g.block_size for g in groups))
         max_hit_tokens = rng.randint(0, 200)
-        # Mostly well-filled stores with holes: hits long enough for several passes.
+        # Mostly well-filled stores with holes: hits long enough for several sweeps.
         stored = random_stores(rng, groups, max_hit_tokens, STORE_STYLES)
         hbs = hash_block_size_for(rng, groups)
         expected = vllm_hit(groups, stored, max_hit_tokens, align, hbs, use_eagle)
@@ -194,13 +194,13 @@ def test_matches_vllm_coordinator_on_random_layouts() -> None:
         counts["eagle"] += use_eagle
         counts["hits"] += got.num_tokens > 0
         counts["one group"] += len(groups) == 1
-        # Pass 2 shrank the hit again, so pass 3 ran.
-        counts["3+ passes"] += (
+        # Sweep 2 shrank the hit again, so sweep 3 ran.
+        counts["3+ sweeps"] += (
             reference(groups, stored, max_hit_tokens, alignment, use_eagle)[1] > 2
         )
     # The generator must reach the interesting cases, not only trivial ones.
     assert counts["eagle"] > 1000 and counts["hits"] > 2000 and counts["one group"] > 200, counts
-    assert counts["3+ passes"] > 60, counts
+    assert counts["3+ sweeps"] > 60, counts
 
 
 def test_gemma_and_qwen_like_layouts_at_scale() -> None:

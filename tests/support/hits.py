@@ -141,7 +141,7 @@ def reference(
     alignment_tokens: int | None = None,
     use_eagle: bool = False,
 ) -> tuple[Hit, int]:
-    """(hit, number of passes) by the coordinator's rules, one block at a time."""
+    """(hit, number of sweeps) by the coordinator's rules, one block at a time."""
     align = alignment_tokens or math.lcm(*(g.block_size for g in groups))
     specs: list[list[int]] = []
     for g_id, g in enumerate(groups):
@@ -163,9 +163,9 @@ def reference(
     if len(groups) == 1:
         hit, blocks = _ref_find(groups[0], has(specs[0]), max_hit_tokens, use_eagle, align)
         return Hit(hit, (tuple(blocks),)), 1
-    hit_tokens, passes, eagle_done = max_hit_tokens, 0, set()
+    hit_tokens, sweeps, eagle_done = max_hit_tokens, 0, set()
     while True:
-        passes += 1
+        sweeps += 1
         cand = hit_tokens
         for idx, spec in enumerate(specs):
             g = groups[spec[0]]
@@ -195,7 +195,7 @@ def reference(
             blocks = list(range(hit_tokens // groups[spec[0]].block_size))
         for g_id in spec:
             per_group[g_id] = tuple(blocks)
-    return Hit(hit_tokens, tuple(per_group)), passes
+    return Hit(hit_tokens, tuple(per_group)), sweeps
 
 
 # ----------------------------------------------------- property testing

@@ -4,7 +4,7 @@ Pure functions, any process. A group of one kind needs some of a request's
 past blocks to resume it at a given length; the rules answer, for that kind:
 
 * hit search (``hybridkv.hits``): which stored blocks it reads and how long
-  a hit they allow, asked in rounds with ``window`` / ``stride`` /
+  a hit they allow, asked in sweeps with ``window`` / ``stride`` /
   ``relevant`` / ``find``;
 * store planning: which blocks a step that computed tokens ``[start, end)``
   stores (``stored_blocks``): only those a later aligned hit can read, and
@@ -74,7 +74,7 @@ class KindRules:
 
     kind: ClassVar[GroupKind]
     searched_once: ClassVar[bool] = False
-    """Hits are prefixes: found once, later rounds only trim to the candidate."""
+    """Hits are prefixes: found once, later sweeps only trim to the candidate."""
     widens_for_eagle: ClassVar[bool] = True
     """With EAGLE the lookup bound grows by one block before one is dropped."""
     supports_eagle: ClassVar[bool] = True

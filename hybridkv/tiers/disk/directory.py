@@ -184,7 +184,7 @@ class SegmentDirectory:
             self.log.warning("scan", "scanning %s: %s", segment.path, exc)
             return None
 
-    def maybe_refresh(self, *, missing: bool) -> bool:
+    def maybe_rescan(self, *, missing: bool) -> bool:
         """Read-only: rescan on a miss or after a while; True if it rescanned."""
         if not self.read_only:
             return False

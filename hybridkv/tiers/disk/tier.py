@@ -106,7 +106,7 @@ class DiskTier(BookkeepingTier):
             self._check_open()
             rows = self._table.index.find(digests).tolist()
             found = [row for row in rows if row >= 0]
-            if self._dir.maybe_refresh(missing=len(found) < len(rows)) or self._any_lost(found):
+            if self._dir.maybe_rescan(missing=len(found) < len(rows)) or self._any_lost(found):
                 rows = self._table.index.find(digests).tolist()
                 found = [row for row in rows if row >= 0]
             self._stats.queries += len(keys)
@@ -268,7 +268,7 @@ class DiskTier(BookkeepingTier):
         with self._lock:
             self._check_open()
             found = self._table.entries(words, lengths)
-            if self._dir.maybe_refresh(missing=None in found):
+            if self._dir.maybe_rescan(missing=None in found):
                 found = self._table.entries(words, lengths)
             todo = [(j, entry) for j, entry in enumerate(found) if entry is not None]
             for _, entry in todo:
