@@ -40,6 +40,11 @@ def buffer_address(buffer: Buffer) -> int:
         return int(buffer.ctypes.data)
 
 
+MAX_PASSES = 3
+"""The most passes ``Tier.touch_many`` gives an object: what a policy may ask of any tier
+(the CPU tier keeps them in two bits of a row's marks)."""
+
+
 class GetStatus(enum.Enum):
     OK = "ok"
     MISS = "miss"
@@ -234,9 +239,9 @@ class Tier(abc.ABC):
     def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
         """Make the stored ones of these keys the most recently used, in order (the last
         key ends most recent; absent keys are skipped); ``passes`` where given: the
-        times each is passed over when it comes round to be evicted, 0-3 (what they save
-        per byte, ``connector/worth.py``). The default does nothing: a tier that evicts
-        by another rule (or on a server) ignores it."""
+        times each is passed over when it comes round to be evicted, 0 to
+        ``MAX_PASSES`` (what they save per byte, ``connector/worth.py``). The default
+        does nothing: a tier that evicts by another rule (or on a server) ignores it."""
 
     def put_reused_many(
         self,

@@ -16,6 +16,7 @@ from numba import njit
 
 import hybridkv.native  # noqa: F401  # before numba compiles: see its docstring
 from hybridkv.tiers import digest_table
+from hybridkv.tiers.base import MAX_PASSES
 from hybridkv.tiers.digest_table import (
     NONE,
     Buckets,
@@ -39,8 +40,6 @@ bit 0 set when the object was read since it was added or last came round
 _OFFSET, _SIZE = 0, 1
 _BORROWS, _OLDER, _NEWER, _MARKS = 0, 1, 2, 3
 _READ, _PASS, _LEFT, _GRANTED = 1, 2, 6, 8
-MAX_PASSES = 3
-"""The most passes ``grant`` gives a row (bits 1-2 of its marks)."""
 _HEAD, _TAIL = 0, 1
 PROTECTED = 0.75
 """``second_chance`` passes a read row over only while at most this share of the rows

@@ -8,8 +8,7 @@ import pytest
 from hybridkv.connector.recency import ChainRecency
 from hybridkv.connector.worth import ChainWorth
 from hybridkv.groups import GroupKind
-from hybridkv.tiers.base import StoreKey
-from hybridkv.tiers.cpu_lru import MAX_PASSES
+from hybridkv.tiers.base import MAX_PASSES, StoreKey
 from tests.support.sim import make_groups
 
 MAMBA, FULL, SW = GroupKind.MAMBA, GroupKind.FULL, GroupKind.SLIDING_WINDOW

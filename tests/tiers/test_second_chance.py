@@ -9,10 +9,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.tiers.base import GetStatus, StoreKey
+from hybridkv.tiers.base import MAX_PASSES, GetStatus, StoreKey
 from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
-from hybridkv.tiers.cpu_lru import MAX_PASSES, PROTECTED, LruObjects
+from hybridkv.tiers.cpu_lru import PROTECTED, LruObjects
 from hybridkv.tiers.digest_table import NONE, digest_words
 
 NUM_KEYS = 16
