@@ -20,21 +20,25 @@ from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
+from hybridkv.tools.sim import (
+    SimEngine,
+    attention_page_bytes,
+    close_engine,
+    make_config,
+    make_engine,
+    make_groups,
+    prompt,
+    run_to_end,
+)
 from tests.support.connector import (
     GatedTier,
     block_keys,
-    close_engine,
     disk_config,
     fill_disk,
-    make_config,
-    make_engine,
     on_disk,
-    prompt,
     run_request,
-    run_to_end,
     stored_keys,
 )
-from tests.support.sim import SimEngine, attention_page_bytes, make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 BLOCK_SIZE = 4

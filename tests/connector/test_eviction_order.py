@@ -11,17 +11,19 @@ import pytest
 
 from hybridkv.groups import GroupKind
 from hybridkv.tiers.cpu import CpuTier
-from tests.support.connector import (
+from hybridkv.tools.sim import (
+    SimEngine,
     assert_kv_matches_cold,
-    block_keys,
+    attention_page_bytes,
     close_engine,
     make_config,
     make_engine,
+    make_groups,
     prompt,
     run_to_end,
     wait_loaded,
 )
-from tests.support.sim import SimEngine, attention_page_bytes, make_groups
+from tests.support.connector import block_keys
 
 FULL, SW = GroupKind.FULL, GroupKind.SLIDING_WINDOW
 BLOCK_SIZE = 4

@@ -13,22 +13,25 @@ from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
-from tests.support.connector import (
-    GatedTier,
+from hybridkv.tools.sim import (
+    SimEngine,
     assert_kv_matches_cold,
-    block_keys,
-    block_refs,
     close_engine,
-    disk_config,
     make_config,
     make_engine,
-    make_remote_lookup,
+    make_groups,
     prompt,
     run_to_end,
-    store_prompt,
     wait_loaded,
 )
-from tests.support.sim import SimEngine, make_groups
+from tests.support.connector import (
+    GatedTier,
+    block_keys,
+    block_refs,
+    disk_config,
+    make_remote_lookup,
+    store_prompt,
+)
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 

@@ -22,8 +22,7 @@ from hybridkv.groups import GroupKind
 from hybridkv.tiers.base import PutStatus, StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.tiered.store import TieredStore
-from tests.support.connector import make_config, make_engine, prompt, wait_loaded
-from tests.support.sim import make_groups
+from hybridkv.tools.sim import make_config, make_engine, make_groups, prompt, wait_loaded
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridkv.groups import GroupKind
-from tests.support.connector import close_engine, make_config, make_engine, prompt, run_to_end
-from tests.support.sim import make_groups
+from hybridkv.tools.sim import (
+    close_engine,
+    make_config,
+    make_engine,
+    make_groups,
+    prompt,
+    run_to_end,
+)
 
 ROUNDS, REQUESTS_PER_ROUND = 3, 6
 

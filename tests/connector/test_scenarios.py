@@ -14,21 +14,23 @@ import pytest
 from hybridkv.connector.metadata import LoadOutcome
 from hybridkv.connector.steps import StepInput
 from hybridkv.groups import GroupKind
-from tests.support.connector import (
+from hybridkv.tools.sim import (
     assert_kv_matches_cold,
-    block_keys,
-    block_refs,
     close_engine,
     make_config,
     make_engine,
-    make_remote_lookup,
+    make_groups,
     prompt,
-    remove_from_disk,
     run_to_end,
-    store_prompt,
     wait_loaded,
 )
-from tests.support.sim import make_groups
+from tests.support.connector import (
+    block_keys,
+    block_refs,
+    make_remote_lookup,
+    remove_from_disk,
+    store_prompt,
+)
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 KIND_SETS = {

@@ -21,17 +21,17 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.setup import build_store
 from hybridkv.groups import GroupKind
 from hybridkv.keys import BlockHash
-from tests.support.connector import (
+from hybridkv.tools.sim import (
     assert_kv_matches_cold,
-    block_keys,
     close_engine,
     make_config,
     make_engine,
+    make_groups,
     prompt,
     run_to_end,
     wait_loaded,
 )
-from tests.support.sim import make_groups
+from tests.support.connector import block_keys
 
 
 @pytest.mark.parametrize(

@@ -22,17 +22,16 @@ from hybridkv.keys import BlockHash, KeyBuilder, KeyNamespace, RequestBlockHashe
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.tier import ValkeyTier
 from hybridkv.tools.pool import LocalPool
-from tests.support.connector import (
+from hybridkv.tools.sim import (
+    SimEngine,
     close_engine,
-    every_key,
     make_config,
     make_engine,
+    make_groups,
     prompt,
-    run_request,
-    stored_keys,
 )
+from tests.support.connector import every_key, run_request, stored_keys
 from tests.support.servers import ValkeyServer
-from tests.support.sim import SimEngine, make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 BLOCK_SIZE = 4

@@ -27,16 +27,10 @@ from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.tier import ValkeyTier
 from hybridkv.tools.pool import LocalPool
+from hybridkv.tools.sim import close_engine, make_engine, make_groups, prompt, run_to_end
 from tests.faults.report import record
-from tests.support.connector import (
-    block_keys,
-    close_engine,
-    make_engine,
-    prompt,
-    run_to_end,
-)
+from tests.support.connector import block_keys
 from tests.support.servers import ValkeyServer
-from tests.support.sim import make_groups
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 KINDS = (GroupKind.FULL, GroupKind.SLIDING_WINDOW)

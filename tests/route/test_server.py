@@ -23,9 +23,8 @@ from hybridkv.keys import RequestBlockHasher
 from hybridkv.route.engines import EngineError, Engines, engine_names
 from hybridkv.route.lookup import EngineHits, EngineLookup, HitQuery
 from hybridkv.route.server import parse_query
+from hybridkv.tools.sim import make_config, make_groups, prompt
 from tests.support.cards import store_through_engine, write_engine_card
-from tests.support.connector import make_config, prompt
-from tests.support.sim import make_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS = make_groups((GroupKind.SLIDING_WINDOW, GroupKind.FULL))
