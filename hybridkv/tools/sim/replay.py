@@ -77,17 +77,19 @@ def median_run(runs: Sequence[Run]) -> Run:
 
 
 def compare_policies(
+    case: str,
     policies: Mapping[str, Policy],
     replay_once: Callable[[Policy], Run],
     repeats: int,
-    progress: Callable[[str, Run], None],
+    progress: Callable[[str], None],
 ) -> dict[str, Run]:
-    """Each policy's ``median_run`` of ``repeats`` replays; ``progress`` hears each
-    policy's name and median run as it is done."""
+    """Each policy's ``median_run`` of ``repeats`` replays of ``case``; ``progress``
+    hears a line of each policy's totals as it is done."""
     runs = {}
     for name, policy in policies.items():
         runs[name] = median_run([replay_once(policy) for _ in range(repeats)])
-        progress(name, runs[name])
+        totals = ", ".join(map(str, runs[name]["totals"]))
+        progress(f"{case}, {name}: {totals} hit tokens")
     return runs
 
 
