@@ -38,26 +38,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's package, before an installed one
-
-from hybridkv.groups import GroupKind  # noqa: E402
-from hybridkv.tools.pool import LocalPool  # noqa: E402
-from hybridkv.tools.sim import (  # noqa: E402
-    SimEngine,
-    attention_page_bytes,
-    close_engine,
-    make_config,
-    make_engine,
-    make_groups,
-)
-from hybridkv.tools.sim.options import (  # noqa: E402
-    replay_arguments,
-    rounds_and_repeats,
-    write_report,
-)
-from hybridkv.tools.sim.replay import Run, compare_policies, replay  # noqa: E402
-from hybridkv.tools.sim.workloads import (  # noqa: E402
+from hybridkv.groups import GroupKind
+from hybridkv.tools.pool import LocalPool
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.options import replay_arguments, rounds_and_repeats, write_report
+from hybridkv.tools.sim.replay import Run, compare_policies, replay
+from hybridkv.tools.sim.shapes import attention_page_bytes, make_groups
+from hybridkv.tools.sim.workloads import (
     BLOCK_SIZE,
     SHAPES,
     Ask,

@@ -43,26 +43,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's package, before an installed one
-
-from hybridkv.groups import GroupKind  # noqa: E402
-from hybridkv.tools.sim import (  # noqa: E402
-    MAMBA_STATE_BYTES,
-    attention_page_bytes,
-    close_engine,
-    make_config,
-    make_engine,
-    make_groups,
-    prompt,
-)
-from hybridkv.tools.sim.options import (  # noqa: E402
-    replay_arguments,
-    rounds_and_repeats,
-    write_report,
-)
-from hybridkv.tools.sim.replay import Run, compare_policies, replay, tally  # noqa: E402
-from hybridkv.tools.sim.workloads import Ask  # noqa: E402
+from hybridkv.groups import GroupKind
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.options import replay_arguments, rounds_and_repeats, write_report
+from hybridkv.tools.sim.replay import Run, compare_policies, replay, tally
+from hybridkv.tools.sim.shapes import MAMBA_STATE_BYTES, attention_page_bytes, make_groups
+from hybridkv.tools.sim.workloads import Ask
 
 BLOCK_SIZE = 3
 """Tokens per block: a full-attention page (32 bytes per token) as large as a state."""

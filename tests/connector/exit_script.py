@@ -24,7 +24,9 @@ from hybridkv.tiers.base import Buffer, PutStatus, StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
-from hybridkv.tools.sim import make_config, make_engine, make_groups, prompt
+from hybridkv.tools.sim.build import make_config, make_engine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.connector import disk_config, stored_keys
 
 GATE_S = 1.0

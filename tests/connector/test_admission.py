@@ -20,16 +20,11 @@ from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
-from hybridkv.tools.sim import (
-    SimEngine,
-    attention_page_bytes,
-    close_engine,
-    make_config,
-    make_engine,
-    make_groups,
-    prompt,
-    run_to_end,
-)
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.drive import run_to_end
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import attention_page_bytes, make_groups
 from tests.support.connector import (
     GatedTier,
     block_keys,

@@ -19,14 +19,10 @@ from hybridkv.keys import BlockHash
 from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuTier
 from hybridkv.tiers.tiered.changes import ChangeLog
-from hybridkv.tools.sim import (
-    close_engine,
-    make_config,
-    make_engine,
-    make_groups,
-    prompt,
-    run_to_end,
-)
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.drive import run_to_end
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.connector import block_keys, block_refs
 
 

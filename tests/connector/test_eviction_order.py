@@ -11,18 +11,12 @@ import pytest
 
 from hybridkv.groups import GroupKind
 from hybridkv.tiers.cpu import CpuTier
-from hybridkv.tools.sim import (
-    SimEngine,
-    assert_kv_matches_cold,
-    attention_page_bytes,
-    close_engine,
-    make_config,
-    make_engine,
-    make_groups,
-    prompt,
-    run_to_end,
-    wait_loaded,
-)
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.check import assert_kv_matches_cold
+from hybridkv.tools.sim.drive import run_to_end, wait_loaded
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import attention_page_bytes, make_groups
 from tests.support.connector import block_keys
 
 FULL, SW = GroupKind.FULL, GroupKind.SLIDING_WINDOW

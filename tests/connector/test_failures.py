@@ -13,17 +13,12 @@ from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
-from hybridkv.tools.sim import (
-    SimEngine,
-    assert_kv_matches_cold,
-    close_engine,
-    make_config,
-    make_engine,
-    make_groups,
-    prompt,
-    run_to_end,
-    wait_loaded,
-)
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.check import assert_kv_matches_cold
+from hybridkv.tools.sim.drive import run_to_end, wait_loaded
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.connector import (
     GatedTier,
     block_keys,

@@ -22,7 +22,10 @@ from hybridkv.groups import GroupKind
 from hybridkv.tiers.base import PutStatus, StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.tiered.store import TieredStore
-from hybridkv.tools.sim import make_config, make_engine, make_groups, prompt, wait_loaded
+from hybridkv.tools.sim.build import make_config, make_engine
+from hybridkv.tools.sim.drive import wait_loaded
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 

@@ -14,16 +14,11 @@ import pytest
 from hybridkv.connector.metadata import LoadOutcome
 from hybridkv.connector.steps import StepInput
 from hybridkv.groups import GroupKind
-from hybridkv.tools.sim import (
-    assert_kv_matches_cold,
-    close_engine,
-    make_config,
-    make_engine,
-    make_groups,
-    prompt,
-    run_to_end,
-    wait_loaded,
-)
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.check import assert_kv_matches_cold
+from hybridkv.tools.sim.drive import run_to_end, wait_loaded
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.connector import (
     block_keys,
     block_refs,

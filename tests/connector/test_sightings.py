@@ -22,14 +22,10 @@ from hybridkv.keys import BlockHash, KeyBuilder, KeyNamespace, RequestBlockHashe
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.tier import ValkeyTier
 from hybridkv.tools.pool import LocalPool
-from hybridkv.tools.sim import (
-    SimEngine,
-    close_engine,
-    make_config,
-    make_engine,
-    make_groups,
-    prompt,
-)
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.connector import every_key, run_request, stored_keys
 from tests.support.servers import ValkeyServer
 

@@ -10,7 +10,9 @@ from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.setup import build_store, lookup_for_store
 from hybridkv.connector.steps import ScheduledRequest, StateHandoff, StepInput
 from hybridkv.groups import GroupKind
-from hybridkv.tools.sim import make_config, make_groups, prompt
+from hybridkv.tools.sim.build import make_config
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 
 GROUPS = make_groups([GroupKind.MAMBA, GroupKind.FULL], block_size=4)
 TOKENS = prompt(16)

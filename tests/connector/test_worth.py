@@ -10,7 +10,7 @@ from hybridkv.connector.worth import ChainWorth
 from hybridkv.groups import GroupKind
 from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.cpu_lru import MAX_PASSES
-from hybridkv.tools.sim import make_groups
+from hybridkv.tools.sim.shapes import make_groups
 
 MAMBA, FULL, SW = GroupKind.MAMBA, GroupKind.FULL, GroupKind.SLIDING_WINDOW
 QWEN3_NEXT = ChainWorth.for_groups(make_groups((MAMBA, MAMBA, MAMBA, FULL), block_size=3))

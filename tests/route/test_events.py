@@ -35,7 +35,9 @@ from hybridkv.integrations.vllm.event_feed import EventFeed
 from hybridkv.route.engines import Engines
 from hybridkv.route.events import EventIndex
 from hybridkv.route.lookup import EngineHits, EngineLookup, HitQuery
-from hybridkv.tools.sim import make_config, make_groups, prompt
+from hybridkv.tools.sim.build import make_config
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.cards import store_through_engine, write_engine_card
 
 F, S, M = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA

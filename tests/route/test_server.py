@@ -23,7 +23,9 @@ from hybridkv.keys import RequestBlockHasher
 from hybridkv.route.engines import EngineError, Engines, engine_names
 from hybridkv.route.lookup import EngineHits, EngineLookup, HitQuery
 from hybridkv.route.server import parse_query
-from hybridkv.tools.sim import make_config, make_groups, prompt
+from hybridkv.tools.sim.build import make_config
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.cards import store_through_engine, write_engine_card
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,15 +22,10 @@ from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.disk import segments
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.disk.tier import DiskTier
-from hybridkv.tools.sim import (
-    SimEngine,
-    assert_kv_matches_cold,
-    close_engine,
-    make_config,
-    make_engine,
-    run_to_end,
-    wait_loaded,
-)
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.check import assert_kv_matches_cold
+from hybridkv.tools.sim.drive import run_to_end, wait_loaded
+from hybridkv.tools.sim.engine import SimEngine
 
 
 def make_remote_lookup(

@@ -50,7 +50,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 
-from hybridkv.tools.sim import HEAD_DIM, NUM_KV_HEADS
+from hybridkv.tools.sim.shapes import HEAD_DIM, NUM_KV_HEADS
 
 BLOCK_SIZE = 16
 """Tokens per block of every group (Mamba "align" mode: the attention block size)."""

@@ -54,7 +54,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from hybridkv.keys import RequestBlockHasher
 from hybridkv.tiers.base import GetStatus
-from hybridkv.tools.sim import next_state, token_kv
+from hybridkv.tools.sim.model import next_state, token_kv
 from tests.support.vllm_configs import (
     VOCAB_SIZE,
     Setup,

@@ -14,46 +14,7 @@ everything runs in their one process.
 * ``workloads``, ``replay``, ``options``: the replay benchmarks' seeded workloads,
   their replay under several policies, and their command line.
 
-A test or benchmark builds one with ``make_engine(make_groups(kinds),
-make_config(tmp_dir))``, then ``add``s requests, ``step``s, and closes it with
-``close_engine``.
+A test or benchmark builds one with ``build.make_engine(shapes.make_groups(kinds),
+build.make_config(tmp_dir))``, then ``add``s requests, ``step``s, and closes it
+with ``build.close_engine``; it imports each name from its module.
 """
-
-from hybridkv.tools.sim.build import STAGING_BYTES, close_engine, make_config, make_engine
-from hybridkv.tools.sim.check import KVMismatchError, assert_kv_matches_cold
-from hybridkv.tools.sim.drive import AfterStep, run_to_end, settle_and_flush, wait_loaded
-from hybridkv.tools.sim.engine import SimEngine, SimRequest
-from hybridkv.tools.sim.model import expected_state, next_state, prompt, token_kv
-from hybridkv.tools.sim.shapes import (
-    HEAD_DIM,
-    MAMBA_STATE_BYTES,
-    NUM_KV_HEADS,
-    attention_page_bytes,
-    make_groups,
-    make_kv_caches,
-)
-
-__all__ = [
-    "HEAD_DIM",
-    "MAMBA_STATE_BYTES",
-    "NUM_KV_HEADS",
-    "STAGING_BYTES",
-    "AfterStep",
-    "KVMismatchError",
-    "SimEngine",
-    "SimRequest",
-    "assert_kv_matches_cold",
-    "attention_page_bytes",
-    "close_engine",
-    "expected_state",
-    "make_config",
-    "make_engine",
-    "make_groups",
-    "make_kv_caches",
-    "next_state",
-    "prompt",
-    "run_to_end",
-    "settle_and_flush",
-    "token_kv",
-    "wait_loaded",
-]
