@@ -1,7 +1,7 @@
 """Admission across engines sharing a full pool: marks of hashes seen against each
 engine judging alone, and against LRU everything, in one run.
 
-Two simulated engines (``tests/support/sim.py``: a real ``ConnectorScheduler``
+Two simulated engines (``hybridkv.tools.sim``: a real ``ConnectorScheduler``
 and ``ConnectorWorker`` each, over a real CPU tier of its own) share one real
 valkey-server of ``--pool-mib`` (least recently used keys evicted), far
 smaller than the workload. Requests go to them in turn (round-robin), so an
@@ -17,14 +17,14 @@ policy replays the same workload on fresh tiers:
   the pool (``connector.sightings``), so a prefix each engine reached once
   counts as reached twice.
 
-The workloads are ``bench_eviction.py``'s (``mixed`` and ``long-doc-qa``) on
-its two shapes. Per policy: hit tokens (of the reusable ones), and every
-hit's KV checked against a cold computation; hashes the pool held a mark of
-already; the pool's evictions. Runs differ (the server's LRU samples keys,
-the room is read once a second), so each policy replays each case
-``--repeats`` times (default 3) and the run of median hit tokens is reported
-with every run's total. Target: ``reused+marks`` at least 0.98x ``reused``'s
-hit tokens in every case.
+The workloads are ``bench_eviction.py``'s (``mixed`` and ``long-doc-qa``, from
+``hybridkv.tools.sim.workloads``) on its two shapes. Per policy: hit tokens
+(of the reusable ones), and every hit's KV checked against a cold
+computation; hashes the pool held a mark of already; the pool's evictions.
+Runs differ (the server's LRU samples keys, the room is read once a second),
+so each policy replays each case ``--repeats`` times (default 3) and the run
+of median hit tokens is reported with every run's total. Target:
+``reused+marks`` at least 0.98x ``reused``'s hit tokens in every case.
 
     python benchmarks/bench_shared_admission.py [--quick] [--repeats N] [--json PATH]
 """
@@ -33,30 +33,26 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_eviction import (
+from hybridkv.groups import GroupKind
+from hybridkv.tools.pool import LocalPool
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.options import replay_arguments, rounds_and_repeats, write_report
+from hybridkv.tools.sim.replay import Run, compare_policies, replay
+from hybridkv.tools.sim.shapes import attention_page_bytes, make_groups
+from hybridkv.tools.sim.workloads import (
     BLOCK_SIZE,
     SHAPES,
     Ask,
     docs_workload,
-    median_run,
-    publish,
-    replay_arguments,
-    reusable,
-    rounds_and_repeats,
-    serve,
-    workload,
+    mixed_workload,
+    reusable_prefixes,
 )
-
-from hybridkv.groups import GroupKind
-from hybridkv.tools.pool import LocalPool
-from tests.support.connector import close_engine, make_config, make_engine
-from tests.support.sim import SimEngine, attention_page_bytes, make_groups
 
 NUM_ENGINES = 2
 LAYERS = 32
@@ -82,7 +78,7 @@ POLICIES: dict[str, dict[str, Any]] = {
 
 def run_policy(
     shape: tuple[GroupKind, ...], policy: dict[str, Any], asks: Sequence[Ask], pool_mib: int
-) -> dict[str, Any]:
+) -> Run:
     """One replay of ``asks``, round-robin over two engines, on a fresh pool."""
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-shared-") as tmp:
         work = Path(tmp)
@@ -108,30 +104,18 @@ def run_policy(
                 admission_sighting_ttl_s=policy["ttl_s"],
             )
             engines = [make_engine(model_groups, config) for _ in range(NUM_ENGINES)]
-            start = time.perf_counter()
-            hits, checked = [], 0
-            for i, ask in enumerate(asks):
-                hit, kv_checked = serve(engines[i % NUM_ENGINES], f"r{i}", ask.tokens)
-                hits.append(hit)
-                checked += kv_checked
-            seconds = time.perf_counter() - start
+            run = replay(engines, asks)
             marked = sum(e.scheduler.stats.pool_sightings_before for e in engines)
             evicted = int(pool.status()["valkey_pool"].get("evicted_keys") or 0)
         finally:
             for engine in engines:
                 close_engine(engine)
             pool.stop()
-    return {
-        "hits": hits,
-        "kv_blocks_checked": checked,
-        "marked_before": marked,
-        "pool_evicted_keys": evicted,
-        "seconds": seconds,
-    }
+    return {**run, "marked_before": marked, "pool_evicted_keys": evicted}
 
 
-def summarize(asks: Sequence[Ask], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    can = sum(reusable(asks))
+def summarize(asks: Sequence[Ask], runs: dict[str, Run]) -> dict[str, Any]:
+    can = sum(reusable_prefixes(asks))
     rows = {name: {**run, "hit": sum(run["hits"]), "reusable": can} for name, run in runs.items()}
     for row in rows.values():
         row["over_lru"] = row["hit"] / max(1, rows["lru"]["hit"])
@@ -170,19 +154,21 @@ def main() -> int:
         "pool_mib": args.pool_mib,
         "cases": {},
     }
-    workloads = {"mixed": workload(rounds, args.seed), "long-doc-qa": docs_workload(args.seed)}
+    workloads = {
+        "mixed": mixed_workload(rounds, args.seed),
+        "long-doc-qa": docs_workload(args.seed),
+    }
     for workload_name, asks in workloads.items():
         for shape_name, shape in SHAPES.items():
             case = f"{workload_name}, {shape_name}, {len(asks)} requests"
-            runs = {}
-            for name, policy in POLICIES.items():
-                runs[name] = median_run(
-                    [run_policy(shape, policy, asks, args.pool_mib) for _ in range(repeats)]
-                )
-                totals = ", ".join(map(str, runs[name]["totals"]))
-                print(f"{case}, {name}: {totals} hit tokens", flush=True)
+            replay_once = partial(run_policy, shape, asks=asks, pool_mib=args.pool_mib)
+            runs = compare_policies(
+                case, POLICIES, replay_once, repeats, partial(print, flush=True)
+            )
             report["cases"][case] = summarize(asks, runs)
-    return publish(table(report), report, args.json)
+    print(table(report))
+    write_report(report, args.json)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Eviction by prefill saved per byte (``eviction_order: worth``) against chain order and
 plain LRU, in one run.
 
-The simulated engine of the tests (``tests/support/sim.py``: a real
-``ConnectorScheduler`` and ``ConnectorWorker`` over a real CPU tier, vLLM's
-block rules, and KV written from the token prefix, so every hit's KV is
-compared with a cold computation), shaped as vLLM lays out a Qwen3-Next-like
+The simulated engine (``hybridkv.tools.sim``: a real ``ConnectorScheduler``
+and ``ConnectorWorker`` over a real CPU tier, vLLM's block rules, and KV
+written from the token prefix, so every hit's KV is compared with a cold
+computation), shaped as vLLM lays out a Qwen3-Next-like
 model: three Mamba groups and one full-attention group, every group's page the
 same size (3-token blocks, so that a full-attention page is as large as a
 state), and every prompt prefilled in one step, as vLLM does a prompt within
@@ -37,38 +37,19 @@ from __future__ import annotations
 import random
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_eviction import (  # noqa: E402
-    Ask,
-    median_run,
-    publish,
-    replay_arguments,
-    rounds_and_repeats,
-    serve,
-    tally,
-)
-
-from hybridkv.groups import GroupKind  # noqa: E402
-from tests.support.connector import (  # noqa: E402
-    close_engine,
-    make_config,
-    make_engine,
-    prompt,
-)
-from tests.support.sim import (  # noqa: E402
-    MAMBA_STATE_BYTES,
-    attention_page_bytes,
-    make_groups,
-)
+from hybridkv.groups import GroupKind
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.options import replay_arguments, rounds_and_repeats, write_report
+from hybridkv.tools.sim.replay import Run, compare_policies, replay, tally
+from hybridkv.tools.sim.shapes import MAMBA_STATE_BYTES, attention_page_bytes, make_groups
+from hybridkv.tools.sim.workloads import Ask
 
 BLOCK_SIZE = 3
 """Tokens per block: a full-attention page (32 bytes per token) as large as a state."""
@@ -124,30 +105,21 @@ def reusable(asks: Sequence[Ask]) -> list[int]:
     return out
 
 
-def run_policy(cpu_objects: int, order: str, asks: Sequence[Ask]) -> dict[str, Any]:
-    """One replay of ``asks`` on a fresh CPU tier."""
+def run_policy(cpu_objects: int, order: str, asks: Sequence[Ask]) -> Run:
+    """One replay of ``asks`` on a fresh CPU tier, each prompt prefilled in one step."""
     assert attention_page_bytes(BLOCK_SIZE) == MAMBA_STATE_BYTES
     block_bytes = 2 * MAMBA_STATE_BYTES  # two layers per group
     tier = {"kind": "cpu", "capacity_bytes": cpu_objects * block_bytes, "pin_memory": False}
     with tempfile.TemporaryDirectory(prefix="hybridkv-bench-worth-") as tmp:
         config = make_config(Path(tmp), tiers=[tier], eviction_order=order)
         engine = make_engine(make_groups(SHAPE, block_size=BLOCK_SIZE), config)
-        start = time.perf_counter()
         try:
-            served = [  # each prompt prefilled in one step
-                serve(engine, f"r{i}", ask.tokens, chunk=len(ask.tokens))
-                for i, ask in enumerate(asks)
-            ]
+            return replay([engine], asks, chunk=None)
         finally:
             close_engine(engine)
-    return {
-        "hits": [hit for hit, _ in served],
-        "kv_blocks_checked": sum(checked for _, checked in served),
-        "seconds": time.perf_counter() - start,
-    }
 
 
-def summarize(asks: Sequence[Ask], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def summarize(asks: Sequence[Ask], runs: dict[str, Run]) -> dict[str, Any]:
     can = reusable(asks)
     rows = {name: tally(asks, can, run, CLASSES) for name, run in runs.items()}
     for row in rows.values():
@@ -183,14 +155,14 @@ def main() -> int:
         asks = workload(mix, turns, args.seed)
         for cpu_objects in CPU_OBJECTS:
             case = f"{mix.label(turns)}, cpu tier of {cpu_objects} blocks"
-            runs = {}
-            for name, order in POLICIES.items():
-                replays = [run_policy(cpu_objects, order, asks) for _ in range(repeats)]
-                runs[name] = median_run(replays)
-                totals = ", ".join(map(str, runs[name]["totals"]))
-                print(f"{case}, {name}: {totals} hit tokens", flush=True)
+            replay_once = partial(run_policy, cpu_objects, asks=asks)
+            runs = compare_policies(
+                case, POLICIES, replay_once, repeats, partial(print, flush=True)
+            )
             report["cases"][case] = summarize(asks, runs)
-    return publish(table(report), report, args.json)
+    print(table(report))
+    write_report(report, args.json)
+    return 0
 
 
 if __name__ == "__main__":

@@ -180,3 +180,17 @@ def test_tests_mirror_the_package_and_do_not_import_each_other() -> None:
             if module.startswith("tests.") and module.rpartition(".")[2].startswith("test_"):
                 wrong.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_benchmarks_import_only_the_package_not_the_tests() -> None:
+    """A benchmark runs on the package (the simulated engine is ``hybridkv.tools.sim``),
+    never on the test suite, which is free to change."""
+    scripts = sorted((ROOT / "benchmarks").rglob("*.py"))
+    assert scripts, "no benchmarks found"
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {imported}"
+        for path in scripts
+        for line, imported in _imports(path, f"benchmarks.{path.stem}")
+        if imported.split(".")[0] == "tests"
+    ]
+    assert not wrong, "\n".join(wrong)

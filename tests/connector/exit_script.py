@@ -24,8 +24,10 @@ from hybridkv.tiers.base import Buffer, PutStatus, StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
-from tests.support.connector import disk_config, make_config, make_engine, prompt, stored_keys
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.build import make_config, make_engine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
+from tests.support.connector import disk_config, stored_keys
 
 GATE_S = 1.0
 

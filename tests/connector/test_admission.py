@@ -20,21 +20,20 @@ from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.drive import run_to_end
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import attention_page_bytes, make_groups
 from tests.support.connector import (
     GatedTier,
     block_keys,
-    close_engine,
     disk_config,
     fill_disk,
-    make_config,
-    make_engine,
     on_disk,
-    prompt,
     run_request,
-    run_to_end,
     stored_keys,
 )
-from tests.support.sim import SimEngine, attention_page_bytes, make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 BLOCK_SIZE = 4

@@ -17,8 +17,8 @@ from hybridkv.keys import HashAlgo
 from hybridkv.schema import ConfigError
 from hybridkv.tiers.selection import Selection
 from hybridkv.tools.presets import gemma3_27b, qwen3_next_80b_a3b
-from tests.support.connector import make_config
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.build import make_config
+from hybridkv.tools.sim.shapes import make_groups
 
 TIERS = [
     {"kind": "cpu", "capacity_bytes": "1GiB"},

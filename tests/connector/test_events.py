@@ -19,16 +19,11 @@ from hybridkv.keys import BlockHash
 from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuTier
 from hybridkv.tiers.tiered.changes import ChangeLog
-from tests.support.connector import (
-    block_keys,
-    block_refs,
-    close_engine,
-    make_config,
-    make_engine,
-    prompt,
-    run_to_end,
-)
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.drive import run_to_end
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
+from tests.support.connector import block_keys, block_refs
 
 
 def ref(i: int, group_id: int = 0) -> BlockRef:

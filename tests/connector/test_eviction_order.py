@@ -11,17 +11,13 @@ import pytest
 
 from hybridkv.groups import GroupKind
 from hybridkv.tiers.cpu import CpuTier
-from tests.support.connector import (
-    assert_kv_matches_cold,
-    block_keys,
-    close_engine,
-    make_config,
-    make_engine,
-    prompt,
-    run_to_end,
-    wait_loaded,
-)
-from tests.support.sim import SimEngine, attention_page_bytes, make_groups
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.check import assert_kv_matches_cold
+from hybridkv.tools.sim.drive import run_to_end, wait_loaded
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import attention_page_bytes, make_groups
+from tests.support.connector import block_keys
 
 FULL, SW = GroupKind.FULL, GroupKind.SLIDING_WINDOW
 BLOCK_SIZE = 4

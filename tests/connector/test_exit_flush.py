@@ -26,15 +26,11 @@ from hybridkv.tiers.base import Buffer, PutStatus, StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
-from tests.support.connector import (
-    disk_config,
-    make_config,
-    make_engine,
-    on_disk,
-    prompt,
-    stored_keys,
-)
-from tests.support.sim import SimEngine, make_groups
+from hybridkv.tools.sim.build import make_config, make_engine
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
+from tests.support.connector import disk_config, on_disk, stored_keys
 
 GATE_S = 10.0
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,22 +13,20 @@ from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.tiered.store import TieredStore
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.check import assert_kv_matches_cold
+from hybridkv.tools.sim.drive import run_to_end, wait_loaded
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.connector import (
     GatedTier,
-    assert_kv_matches_cold,
     block_keys,
     block_refs,
-    close_engine,
     disk_config,
-    make_config,
-    make_engine,
     make_remote_lookup,
-    prompt,
-    run_to_end,
     store_prompt,
-    wait_loaded,
 )
-from tests.support.sim import SimEngine, make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 

@@ -22,8 +22,10 @@ from hybridkv.groups import GroupKind
 from hybridkv.tiers.base import PutStatus, StoreKey
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.tiered.store import TieredStore
-from tests.support.connector import make_config, make_engine, prompt, wait_loaded
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.build import make_config, make_engine
+from hybridkv.tools.sim.drive import wait_loaded
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 

@@ -16,7 +16,7 @@ from hybridkv.connector.stats import GroupCounts, SchedulerStats, WorkerStats
 from hybridkv.groups import GroupKind
 from hybridkv.metric_fields import MetricType, declared
 from hybridkv.tiers.base import TierStats
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.shapes import make_groups
 
 
 def test_every_metric_is_declared_once() -> None:

@@ -23,8 +23,8 @@ from hybridkv.connector.steps import ScheduledRequest, StepInput
 from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.groups import GroupKind, KVGroup, ModelGroups, merge_stages
 from hybridkv.tiers.ranks import WorkerRank
-from tests.support.connector import make_config
-from tests.support.sim import make_groups, make_kv_caches
+from hybridkv.tools.sim.build import make_config
+from hybridkv.tools.sim.shapes import make_groups, make_kv_caches
 
 NUM_BLOCKS = 64
 TOKENS = list(range(100, 141))  # 41 tokens: 10 blocks of 4, one token left to compute

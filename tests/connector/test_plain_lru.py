@@ -13,18 +13,10 @@ from hybridkv.connector.returns import ReturnShare
 from hybridkv.groups import GroupKind
 from hybridkv.tiers.cpu import CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
-from tests.support.connector import (
-    close_engine,
-    every_key,
-    fill_disk,
-    make_config,
-    make_engine,
-    on_disk,
-    prompt,
-    run_request,
-    stored_keys,
-)
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
+from tests.support.connector import every_key, fill_disk, on_disk, run_request, stored_keys
 
 BLOCK_SIZE = 4
 CHUNK = 32

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridkv.groups import GroupKind
-from tests.support.connector import close_engine, make_config, make_engine, prompt, run_to_end
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.drive import run_to_end
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 
 ROUNDS, REQUESTS_PER_ROUND = 3, 6
 

@@ -14,21 +14,18 @@ import pytest
 from hybridkv.connector.metadata import LoadOutcome
 from hybridkv.connector.steps import StepInput
 from hybridkv.groups import GroupKind
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.check import assert_kv_matches_cold
+from hybridkv.tools.sim.drive import run_to_end, wait_loaded
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.connector import (
-    assert_kv_matches_cold,
     block_keys,
     block_refs,
-    close_engine,
-    make_config,
-    make_engine,
     make_remote_lookup,
-    prompt,
     remove_from_disk,
-    run_to_end,
     store_prompt,
-    wait_loaded,
 )
-from tests.support.sim import make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 KIND_SETS = {

@@ -21,17 +21,12 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.setup import build_store
 from hybridkv.groups import GroupKind
 from hybridkv.keys import BlockHash
-from tests.support.connector import (
-    assert_kv_matches_cold,
-    block_keys,
-    close_engine,
-    make_config,
-    make_engine,
-    prompt,
-    run_to_end,
-    wait_loaded,
-)
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.check import assert_kv_matches_cold
+from hybridkv.tools.sim.drive import run_to_end, wait_loaded
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
+from tests.support.connector import block_keys
 
 
 @pytest.mark.parametrize(

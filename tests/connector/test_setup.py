@@ -13,8 +13,10 @@ from hybridkv.connector.setup import EngineFacts, build_scheduler, build_worker
 from hybridkv.groups import GroupKind
 from hybridkv.tiers.base import PutStatus
 from hybridkv.tiers.ranks import WorkerRank
-from tests.support.connector import block_keys, make_config, prompt
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.build import make_config
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
+from tests.support.connector import block_keys
 
 GROUPS = make_groups((GroupKind.FULL,))
 FACTS = EngineFacts(model_groups=GROUPS, alignment_tokens=GROUPS.scheduler_block_size)

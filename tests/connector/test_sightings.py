@@ -22,17 +22,12 @@ from hybridkv.keys import BlockHash, KeyBuilder, KeyNamespace, RequestBlockHashe
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.tier import ValkeyTier
 from hybridkv.tools.pool import LocalPool
-from tests.support.connector import (
-    close_engine,
-    every_key,
-    make_config,
-    make_engine,
-    prompt,
-    run_request,
-    stored_keys,
-)
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.engine import SimEngine
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
+from tests.support.connector import every_key, run_request, stored_keys
 from tests.support.servers import ValkeyServer
-from tests.support.sim import SimEngine, make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 BLOCK_SIZE = 4

@@ -10,8 +10,9 @@ from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.setup import build_store, lookup_for_store
 from hybridkv.connector.steps import ScheduledRequest, StateHandoff, StepInput
 from hybridkv.groups import GroupKind
-from tests.support.connector import make_config, prompt
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.build import make_config
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 
 GROUPS = make_groups([GroupKind.MAMBA, GroupKind.FULL], block_size=4)
 TOKENS = prompt(16)

@@ -9,7 +9,7 @@ from hybridkv.connector.recency import ChainRecency
 from hybridkv.connector.worth import ChainWorth
 from hybridkv.groups import GroupKind
 from hybridkv.tiers.base import MAX_PASSES, StoreKey
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.shapes import make_groups
 
 MAMBA, FULL, SW = GroupKind.MAMBA, GroupKind.FULL, GroupKind.SLIDING_WINDOW
 QWEN3_NEXT = ChainWorth.for_groups(make_groups((MAMBA, MAMBA, MAMBA, FULL), block_size=3))

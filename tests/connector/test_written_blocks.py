@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybridkv.connector.steps import ScheduledRequest, StepInput
 from hybridkv.groups import GroupKind
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.shapes import make_groups
 
 FULL, SW, MAMBA = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 

@@ -27,16 +27,13 @@ from hybridkv.tiers.disk.tier import DiskTier
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.tier import ValkeyTier
 from hybridkv.tools.pool import LocalPool
+from hybridkv.tools.sim.build import close_engine, make_engine
+from hybridkv.tools.sim.drive import run_to_end
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.faults.report import record
-from tests.support.connector import (
-    block_keys,
-    close_engine,
-    make_engine,
-    prompt,
-    run_to_end,
-)
+from tests.support.connector import block_keys
 from tests.support.servers import ValkeyServer
-from tests.support.sim import make_groups
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 KINDS = (GroupKind.FULL, GroupKind.SLIDING_WINDOW)

@@ -35,9 +35,10 @@ from hybridkv.integrations.vllm.event_feed import EventFeed
 from hybridkv.route.engines import Engines
 from hybridkv.route.events import EventIndex
 from hybridkv.route.lookup import EngineHits, EngineLookup, HitQuery
+from hybridkv.tools.sim.build import make_config
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.cards import store_through_engine, write_engine_card
-from tests.support.connector import make_config, prompt
-from tests.support.sim import make_groups
 
 F, S, M = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 SHAPES = {"full": (F,), "sliding+full": (S, F), "mamba+full": (M, F)}

@@ -22,9 +22,11 @@ from hybridkv.keys import KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.route.lookup import EngineLookup, HitQuery
 from hybridkv.tiers.ranks import WorkerRank
 from hybridkv.tiers.registry import build_tier
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.drive import wait_loaded
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.cards import store_through_engine, write_engine_card
-from tests.support.connector import close_engine, make_config, make_engine, prompt, wait_loaded
-from tests.support.sim import make_groups
 
 F, S, M = GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.MAMBA
 SHAPES = {"full": (F,), "sliding+full": (S, F), "mamba+full": (M, F), "all": (S, M, F)}

@@ -23,9 +23,10 @@ from hybridkv.keys import RequestBlockHasher
 from hybridkv.route.engines import EngineError, Engines, engine_names
 from hybridkv.route.lookup import EngineHits, EngineLookup, HitQuery
 from hybridkv.route.server import parse_query
+from hybridkv.tools.sim.build import make_config
+from hybridkv.tools.sim.model import prompt
+from hybridkv.tools.sim.shapes import make_groups
 from tests.support.cards import store_through_engine, write_engine_card
-from tests.support.connector import make_config, prompt
-from tests.support.sim import make_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS = make_groups((GroupKind.SLIDING_WINDOW, GroupKind.FULL))

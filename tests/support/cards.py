@@ -9,7 +9,8 @@ from hybridkv.connector.card import EngineCard, card_for, read_card, write_card
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.setup import EngineFacts
 from hybridkv.groups import ModelGroups
-from tests.support.connector import close_engine, make_engine, run_to_end
+from hybridkv.tools.sim.build import close_engine, make_engine
+from hybridkv.tools.sim.drive import run_to_end
 
 
 def write_engine_card(path: Path, config: ConnectorConfig, model_groups: ModelGroups) -> EngineCard:

@@ -1,82 +1,31 @@
-"""Scheduler/worker pairs on real tiers in a temporary directory, and scenario steps
-shared by the connector tests (test helper)."""
+"""Scenario steps and checks shared by the connector tests, on the simulated engine
+(``hybridkv.tools.sim``): keys of a prompt's blocks, a tier that hangs, damage to the
+disk tier from outside, a request run start to end (test helper)."""
 
 from __future__ import annotations
 
 import os
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from hybridkv.connector.config import ConnectorConfig
 from hybridkv.connector.lookup import KeyLookup
 from hybridkv.connector.metadata import BlockRef
-from hybridkv.connector.scheduler import ConnectorScheduler
-from hybridkv.connector.setup import (
-    EngineFacts,
-    build_lookup,
-    build_store,
-    lookup_for_store,
-    sighting_tier,
-)
-from hybridkv.connector.worker import ConnectorWorker
-from hybridkv.groups import GroupKind, ModelGroups
+from hybridkv.connector.setup import EngineFacts, build_lookup
+from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace, RequestBlockHasher
 from hybridkv.tiers.base import Buffer, GetStatus, PutStatus, StoreKey, Tier, TierStats, TierUsage
 from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.disk import segments
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.disk.tier import DiskTier
-from hybridkv.tiers.tiered.store import TieredStore
-from hybridkv.transfer import TransferConfig
-from tests.support.sim import SimEngine, SimRequest, expected_state
-
-STAGING_BYTES = 4 << 20
-
-
-def make_config(cache_dir: Path, **extra: Any) -> ConnectorConfig:
-    raw: dict[str, Any] = {"cache_dir": str(cache_dir)}
-    if "tiers" not in extra:
-        raw.update(cpu_capacity_bytes="8MiB", disk_capacity_bytes="64MiB")
-    raw.update(extra)
-    return ConnectorConfig.from_dict(raw)
-
-
-def make_engine(
-    model_groups: ModelGroups,
-    config: ConnectorConfig,
-    *,
-    store: TieredStore | None = None,
-    lookup: KeyLookup | None = None,
-    load_timeout_s: float | None = 30.0,
-    transfer: dict[str, Any] | None = None,
-    **engine_kwargs: Any,
-) -> SimEngine:
-    """A fresh engine: new KV tensors, new tiers (the disk directory persists).
-    ``transfer``: more ``TransferConfig`` fields."""
-    store = store if store is not None else build_store(config.tier_configs, config)
-    transfer_config = TransferConfig(
-        staging_bytes=STAGING_BYTES, load_timeout_s=load_timeout_s, **(transfer or {})
-    )
-    worker = ConnectorWorker(
-        model_groups, store, transfer_config=transfer_config, eviction_order=config.eviction_order
-    )
-    if lookup is None:
-        lookup = lookup_for_store(store)
-    scheduler = ConnectorScheduler(
-        model_groups,
-        lookup,
-        selection=config.selection,
-        admission=config.admission,
-        admission_seen_hashes=config.admission_seen_hashes,
-        sighting_tier=sighting_tier(config, store.tiers),
-        sighting_ttl_s=config.admission_sighting_ttl_s,
-    )
-    return SimEngine(model_groups, scheduler, worker, **engine_kwargs)
+from hybridkv.tools.sim.build import close_engine, make_config, make_engine
+from hybridkv.tools.sim.check import assert_kv_matches_cold
+from hybridkv.tools.sim.drive import run_to_end, wait_loaded
+from hybridkv.tools.sim.engine import SimEngine
 
 
 def make_remote_lookup(
@@ -87,11 +36,6 @@ def make_remote_lookup(
         model_groups=model_groups, alignment_tokens=model_groups.scheduler_block_size
     )
     return build_lookup(config, facts)
-
-
-def close_engine(engine: SimEngine) -> None:
-    engine.worker.check_integrity()
-    engine.worker.close()
 
 
 def disk_tier(config: ConnectorConfig) -> DiskTier:
@@ -209,77 +153,6 @@ class GatedTier(Tier):
     def close(self) -> None:
         self.gate.set()
         self.inner.close()
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
-
-
-AfterStep = Callable[[SimEngine], None]
-"""Run after each step of ``run_to_end`` and ``wait_loaded`` (say, to wait for the step's
-transfers); without one, a step that leaves a load waiting is followed by a short sleep."""
-
-
-def run_to_end(
-    engine: SimEngine,
-    req_id: str,
-    chunk: int,
-    timeout_s: float = 10.0,
-    *,
-    after_step: AfterStep | None = None,
-) -> None:
-    req = engine.requests[req_id]
-    deadline = time.monotonic() + timeout_s
-    while req.num_computed < len(req.tokens) or req.waiting_load:
-        assert time.monotonic() < deadline, f"{req_id} did not finish"
-        engine.step({} if req.waiting_load else {req_id: chunk})
-        _after_step(engine, req, after_step)
-
-
-def wait_loaded(
-    engine: SimEngine,
-    req_id: str,
-    timeout_s: float = 10.0,
-    *,
-    after_step: AfterStep | None = None,
-) -> SimRequest:
-    req = engine.requests[req_id]
-    deadline = time.monotonic() + timeout_s
-    while req.waiting_load:
-        assert time.monotonic() < deadline, f"load of {req_id} never finished"
-        engine.step({})
-        _after_step(engine, req, after_step)
-    return req
-
-
-def _after_step(engine: SimEngine, req: SimRequest, after_step: AfterStep | None) -> None:
-    if after_step is not None:
-        after_step(engine)
-    elif req.waiting_load:
-        time.sleep(0.002)
-
-
-def assert_kv_matches_cold(engine: SimEngine, req: SimRequest, num_tokens: int) -> int:
-    """Every non-null block of the request up to ``num_tokens`` equals a cold run's.
-
-    Returns the number of blocks compared (so callers can insist it is > 0).
-    """
-    compared = 0
-    for g, group in enumerate(engine.model_groups.groups):
-        ids = req.block_ids[g]
-        if group.kind is GroupKind.MAMBA:
-            for layer in group.layer_names:
-                got = engine.state_bytes(req, g, layer, num_tokens)
-                assert got == expected_state(req.tokens, num_tokens, layer), (g, layer)
-                compared += 1
-            continue
-        for index in range(num_tokens // group.block_size):
-            if ids[index] == 0:
-                continue
-            got = engine.block_bytes(g, ids[index])
-            assert got == engine.expected_block(req.tokens, g, index), (g, index)
-            compared += 1
-    return compared
 
 
 def store_prompt(

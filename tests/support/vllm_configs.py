@@ -17,7 +17,7 @@ scheduler is built from, as vLLM's engine core builds it:
   hash block size and hit alignment the engine core resolves.
 
 Pages are tiny: attention layers hold 1 KV head of 4 float32 values (32 bytes a
-token, ``tests.support.sim.token_kv``), Mamba states are padded to the
+token, ``hybridkv.tools.sim.model.token_kv``), Mamba states are padded to the
 attention page as vLLM pads them.
 """
 
@@ -50,7 +50,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 
-from tests.support.sim import HEAD_DIM, NUM_KV_HEADS
+from hybridkv.tools.sim.shapes import HEAD_DIM, NUM_KV_HEADS
 
 BLOCK_SIZE = 16
 """Tokens per block of every group (Mamba "align" mode: the attention block size)."""

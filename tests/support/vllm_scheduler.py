@@ -13,7 +13,7 @@ vLLM itself, without a connector. ``SimVllmEngine`` is an engine core's loop:
   (``hybridkv.tools.allocate``) with ``HybridKVConnector`` in the worker role over
   real tiers (CPU memory and a disk directory), called in the order vLLM's GPU
   model runner calls it. Its "model" writes, per token, attention KV derived
-  from the token prefix (``tests.support.sim.token_kv``) and, per Mamba layer,
+  from the token prefix (``hybridkv.tools.sim.model.token_kv``) and, per Mamba layer,
   a state derived from the previous state and the token (``sim.next_state``).
   Mamba states go where vLLM's GPU model runner puts them in "align" mode
   (``vllm/v1/worker/mamba_utils.py``): the running state in column
@@ -54,7 +54,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from hybridkv.keys import RequestBlockHasher
 from hybridkv.tiers.base import GetStatus
-from tests.support.sim import next_state, token_kv
+from hybridkv.tools.sim.model import next_state, token_kv
 from tests.support.vllm_configs import (
     VOCAB_SIZE,
     Setup,

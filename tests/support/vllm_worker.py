@@ -24,7 +24,7 @@ from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 
 from hybridkv.integrations.vllm.facts import groups_from_config
 from hybridkv.tools.allocate import allocate_kv_caches
-from tests.support.sim import next_state, token_kv
+from hybridkv.tools.sim.model import next_state, token_kv
 from tests.support.vllm_configs import VOCAB_SIZE
 
 

@@ -17,7 +17,7 @@ from hybridkv.groups import GroupKind, ModelGroups
 from hybridkv.integrations.vllm.plumbing import StageGroups, stage_groups, step_input, worker_rank
 from hybridkv.integrations.vllm.served import ServedGroups
 from hybridkv.tiers.ranks import WorkerRank
-from tests.support.sim import make_groups
+from hybridkv.tools.sim.shapes import make_groups
 
 
 def _request(req_id: str, tokens: list[int]) -> Request:

@@ -1,20 +1,14 @@
-"""A small engine for connector tests: vLLM-shaped KV tensors, vLLM's block rules.
+"""The simulated engine: a real ``ConnectorScheduler`` and a real ``ConnectorWorker`` (real
+tiers) driven the way vLLM 0.32 drives them, step by step.
 
-Test helper. ``SimEngine`` drives a real ``ConnectorScheduler`` and a real
-``ConnectorWorker`` (real tiers) the way vLLM 0.32 does, step by step:
-lookup -> allocate -> metadata -> forward -> loads -> save -> report. Its
+Runs in one process, the test's or the benchmark's: the scheduler side and
+the worker side of the connector, and the engine between them. A step goes
+lookup -> allocate -> metadata -> forward -> loads -> save -> report. The
 block manager follows vLLM's rules for the hybrid allocator: one block pool
 shared by every group (block 0 is the null block), sliding-window blocks
 freed once out of the window of the tokens computed before a step, align-mode
-Mamba keeping only the state block of the last step.
-
-KV tensors are shaped like vLLM's on CPU: attention layers
-``[num_blocks, kv_heads, block_size, 2 * head_dim]`` float32, Mamba layers
-int8 ``[num_blocks, 1, 1, state_bytes]`` inside a page padded to the
-attention page; layer ``i`` of every group shares one storage. The "model"
-writes, for each computed token, KV derived from the token prefix and the
-layer, and for Mamba a recurrent state derived from the previous state bytes
-and the new tokens: a wrong loaded state changes every later state.
+Mamba keeping only the state block of the last step. The forward pass writes
+what ``model`` computes into the tensors of ``shapes``.
 """
 
 from __future__ import annotations
@@ -22,9 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-import xxhash
 
 from hybridkv.connector.metadata import (
     BlockRef,
@@ -36,87 +28,14 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.scheduler import ConnectorScheduler
 from hybridkv.connector.steps import ScheduledRequest, StepInput
 from hybridkv.connector.worker import ConnectorWorker
-from hybridkv.groups import GroupKind, KVGroup, ModelGroups
-
-HEAD_DIM = 4
-NUM_KV_HEADS = 1
-MAMBA_STATE_BYTES = 96
-
-
-def attention_page_bytes(block_size: int) -> int:
-    return NUM_KV_HEADS * block_size * 2 * HEAD_DIM * 4
-
-
-def make_groups(
-    kinds: Sequence[GroupKind],
-    *,
-    block_size: int = 4,
-    window: int = 8,
-    layers_per_group: int = 2,
-    model_id: str = "sim",
-) -> ModelGroups:
-    """Groups of the given kinds, equal block sizes, ``layers_per_group`` layers each."""
-    groups = []
-    for g, kind in enumerate(kinds):
-        page = MAMBA_STATE_BYTES if kind is GroupKind.MAMBA else attention_page_bytes(block_size)
-        groups.append(
-            KVGroup(
-                kind=kind,
-                block_size=block_size,
-                page_size_bytes=page,
-                layer_names=tuple(f"layers.{g}.{i}" for i in range(layers_per_group)),
-                sliding_window=window if kind is GroupKind.SLIDING_WINDOW else None,
-            )
-        )
-    return ModelGroups(groups=tuple(groups), model_id=model_id)
-
-
-def make_kv_caches(model_groups: ModelGroups, num_blocks: int) -> dict[str, torch.Tensor]:
-    """Per-layer tensors as vLLM's CPU backend registers them (storage shared per slot)."""
-    bs = model_groups.groups[0].block_size
-    page = attention_page_bytes(bs)
-    num_slots = max(g.num_layers for g in model_groups.groups)
-    buffers = [torch.zeros(num_blocks * page, dtype=torch.int8) for _ in range(num_slots)]
-    caches: dict[str, torch.Tensor] = {}
-    for group in model_groups.groups:
-        for slot, name in enumerate(group.layer_names):
-            buf = buffers[slot]
-            if group.kind is GroupKind.MAMBA:
-                caches[name] = buf.as_strided(
-                    (num_blocks, 1, 1, MAMBA_STATE_BYTES), (page, 0, 0, 1)
-                )
-            else:
-                caches[name] = buf.view(torch.float32).view(
-                    num_blocks, NUM_KV_HEADS, bs, 2 * HEAD_DIM
-                )
-    return caches
-
-
-def _digest(*parts: bytes) -> int:
-    return int(xxhash.xxh3_64_intdigest(b"|".join(parts)))
-
-
-def token_kv(tokens: Sequence[int], position: int, layer: str) -> torch.Tensor:
-    """KV of one token: a function of the prefix up to it and of the layer."""
-    seed = _digest(np.asarray(tokens[: position + 1], np.int64).tobytes(), layer.encode())
-    rng = np.random.default_rng(seed)
-    return torch.from_numpy(rng.standard_normal((NUM_KV_HEADS, 2 * HEAD_DIM)).astype(np.float32))
-
-
-def next_state(state: bytes, tokens: Sequence[int], layer: str) -> bytes:
-    """The recurrent state after ``tokens``, one token at a time (chunking-invariant);
-    as many bytes as ``state``."""
-    for token in tokens:
-        seed = _digest(state, str(token).encode(), layer.encode())
-        state = np.random.default_rng(seed).integers(-128, 128, len(state), np.int8).tobytes()
-    return state
-
-
-def expected_state(
-    tokens: Sequence[int], num_tokens: int, layer: str, state_bytes: int = MAMBA_STATE_BYTES
-) -> bytes:
-    """A cold run's state after the first ``num_tokens`` tokens."""
-    return next_state(bytes(state_bytes), tokens[:num_tokens], layer)
+from hybridkv.groups import GroupKind, ModelGroups
+from hybridkv.tools.sim.model import next_state, token_kv
+from hybridkv.tools.sim.shapes import (
+    HEAD_DIM,
+    MAMBA_STATE_BYTES,
+    NUM_KV_HEADS,
+    make_kv_caches,
+)
 
 
 @dataclass
@@ -134,7 +53,7 @@ class SimRequest:
 
 
 class SimEngine:
-    """Drives a scheduler/worker pair like vLLM (see module doc)."""
+    """Drives a scheduler/worker pair like vLLM (see the module docstring)."""
 
     def __init__(
         self,
