@@ -4,7 +4,7 @@ Worker process; not thread-safe (``CpuTier`` calls it under its lock). Each
 object is a row of numpy arrays: its key digest (``DigestTable``), arena offset
 and size, borrow count, its neighbours in the LRU list and its marks (44 B, plus
 the table's buckets), not an OrderedDict entry, a slot object, their ints and the key
-string, several times that (README, Performance). Changes run natively: one call
+string, several times that (docs/DECISIONS.md). Changes run natively: one call
 per batch.
 """
 

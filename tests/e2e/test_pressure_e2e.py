@@ -123,9 +123,11 @@ def test_second_turns_under_pressure_give_the_engine_alones_tokens(harness: Harn
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "the tiers evict least recently used first: seven conversations sent in turn "
-        "through room for about three are a cyclic scan, and each second turn's stores "
-        "evict the next conversation before it comes (0 of 7 hit, both times)"
+        "0 of 7 hit, both times: after the first turns the tiers hold the last "
+        "conversation whole and tail blocks of the one before, its head and state gone "
+        "(the disk evicts its oldest segments, so a chain's head first); and second turns "
+        "sent in the same order are a cyclic scan, where recency evicts each conversation "
+        "just before it comes back"
     ),
 )
 def test_tiers_under_pressure_keep_some_conversations_whole(harness: Harness) -> None:

@@ -113,6 +113,15 @@ class SegmentTable:
         numbers = set(self.index.segment(np.array(rows, np.int64)).tolist())
         return [s for s in (self._numbered[n] for n in numbers) if s is not None]
 
+    def segments_by_last_row(self, rows: list[int]) -> list[Segment]:
+        """The segments holding the objects of these index rows, each once, in the order
+        of the last row each holds: made most recent in that order, the segment of the
+        last row ends the most recent."""
+        numbers = self.index.segment(np.array(rows, np.int64)).tolist()
+        last = {number: i for i, number in enumerate(numbers)}
+        ordered = sorted(last, key=last.__getitem__)
+        return [s for s in (self._numbered[n] for n in ordered) if s is not None]
+
     def items(self) -> Iterator[tuple[bytes, Entry]]:
         """Every indexed object (for integrity checks; ``length`` is 0: not kept)."""
         rows = self.index.rows()

@@ -123,6 +123,24 @@ class DiskTier(BookkeepingTier):
             for segment in self._table.segments_at(rows):
                 self._dir.mark_reused(segment)
 
+    def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
+        """``Tier.touch_many`` by segment: those holding these keys become the most
+        recently used, ordered by the last key each holds. A chain touched last block
+        first so keeps the segment of its first blocks, which every hit reads, longest;
+        left in write order, the disk would evict a prompt's first blocks first and keep
+        its tail, which no hit can use without them. ``passes`` are ignored: the disk
+        passes over whole segments, those hit since marked reused (``SegmentTable``)."""
+        if self.read_only:
+            return
+        digests = digest_words(key_digests(keys))
+        with self._lock:
+            self._check_open()
+            rows = [row for row in self._table.index.find(digests).tolist() if row >= 0]
+            for segment in self._table.segments_by_last_row(rows):
+                if self._table.holds(segment):
+                    self._table.use(segment)
+                    self._dir.touch(segment)
+
     def use_plain_lru(self, on: bool) -> None:
         """While ``on``, segments go least recently used first, marks or not (kept)."""
         with self._lock:
@@ -208,7 +226,7 @@ class DiskTier(BookkeepingTier):
             self._dir.open(segment)
         # A part per run of slots, never less: the kernel serializes buffered writes to
         # one file, so two threads writing halves of a run take turns and only add
-        # hand-offs (README, Performance). Runs in other segment files go to the I/O threads.
+        # hand-offs. Runs in other segment files go to the I/O threads.
         parts = runs(reservations)
         for run in parts:
             run[0].segment.ready.wait()  # another call may be preparing it

@@ -16,7 +16,7 @@ windows and their order (``ShapeModel.groups``, checked on a real engine by
 in tests) are the same everywhere; block and page sizes are the engine's
 choice and differ between CPUs: read them from the engine's
 ``kv_cache_config``. The sizes below are from a 2-core AMD EPYC with
-avx512_bf16; each shape's prefill time is in README (Performance).
+avx512_bf16; each shape's prefill time is in docs/PERFORMANCE.md (Prefill of the bench models).
 
 * ``gemma3-270m``: Gemma 3 270M's shape: 18 layers, (S S S S S F) x 3,
   window 512, 4 heads, 1 KV head x 256, hidden 640 (about 121 M parameters,

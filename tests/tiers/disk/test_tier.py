@@ -114,6 +114,45 @@ def test_lru_order_of_segments_survives_restart(tmp_path: Path) -> None:
     reopened.check_integrity()
 
 
+def test_a_chain_touched_last_block_first_keeps_its_first_blocks_longest(tmp_path: Path) -> None:
+    size = 2 * PAGE  # two objects per segment, four segments
+    config = {"capacity_bytes": 4 * segment_bytes(2, size), "segment_bytes": segment_bytes(2, size)}
+    tier = disk_tier(tmp_path, **config)  # type: ignore[arg-type]
+    chain = [key(f"chain/{i}") for i in range(4)]  # written first block first: A=(0, 1), B=(2, 3)
+    others = [key(f"other/{i}") for i in range(6)]
+    for k in [*chain, *others[:4]]:  # C=(o0, o1), D=(o2, o3)
+        assert tier.put_many([k], [payload(k, size)]) == [PutStatus.OK]
+    tier.touch_many(chain[::-1])  # order now C, D, B, A: the chain's first blocks newest
+    tier.put_many(others[4:5], [payload(others[4], size)])  # evicts C
+    tier.put_many(others[5:6], [payload(others[5], size)])  # fills E
+    assert tier.contains_many(chain) == [True] * 4
+    more = [key(f"more/{i}") for i in range(4)]
+    for k in more:  # two more segments evict D, then B (the chain's last blocks) before A
+        tier.put_many([k], [payload(k, size)])
+    assert tier.contains_many(chain) == [True, True, False, False]
+    assert tier.stats().evictions == 6
+    tier.close()
+
+    reopened = disk_tier(tmp_path, **config)  # type: ignore[arg-type]  # the touch persisted
+    assert reopened.contains_many(chain) == [True, True, False, False]
+    reopened.check_integrity()
+
+
+def test_keys_a_read_only_tier_is_told_to_touch_change_nothing(tmp_path: Path) -> None:
+    size = 2 * PAGE
+    config = {"capacity_bytes": 2 * segment_bytes(2, size), "segment_bytes": segment_bytes(2, size)}
+    writer = disk_tier(tmp_path, **config)  # type: ignore[arg-type]
+    keys = [key(i) for i in range(4)]
+    for k in keys:
+        writer.put_many([k], [payload(k, size)])
+    reader = disk_tier(tmp_path, read_only=True, **config)  # type: ignore[arg-type]
+    mtimes = [p.stat().st_mtime_ns for p in segment_files(tmp_path)]
+    reader.touch_many(keys[::-1])
+    assert [p.stat().st_mtime_ns for p in segment_files(tmp_path)] == mtimes
+    reader.close()
+    writer.close()
+
+
 def test_restart_with_a_smaller_capacity_evicts_the_oldest(tmp_path: Path) -> None:
     seg = segment_bytes(1, 1000)
     tier = disk_tier(tmp_path, segment_bytes=seg)
