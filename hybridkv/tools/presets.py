@@ -27,6 +27,25 @@ from hybridkv.tools.preset_groups import (
 )
 
 
+def _sliding_and_full(
+    *, num_kv_heads: int, head_dim: int, sliding_window: int
+) -> tuple[LayerKV, LayerKV]:
+    """A sliding-window and a full attention layer of one head shape: both at the GPU
+    default block size, so one page size."""
+    block_size = GPU_DEFAULT_BLOCK_SIZE
+    page = attention_page_size_bytes(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
+    sliding = LayerKV(
+        kind=GroupKind.SLIDING_WINDOW,
+        block_size=block_size,
+        page_size_bytes=page,
+        sliding_window=sliding_window,
+    )
+    full = LayerKV(kind=GroupKind.FULL, block_size=block_size, page_size_bytes=page)
+    return sliding, full
+
+
 def gemma3_27b() -> ModelGroups:
     """Gemma 3 27B: 62 layers, 5 sliding (window 1024) : 1 full, 16 KV heads x 128.
 
@@ -37,15 +56,7 @@ def gemma3_27b() -> ModelGroups:
     vLLM groups the 52 sliding and 10 full layers into 6 sliding groups of 9 or 8
     layers and 1 full group of 10.
     """
-    block_size = GPU_DEFAULT_BLOCK_SIZE
-    page = attention_page_size_bytes(block_size=block_size, num_kv_heads=16, head_dim=128)
-    sliding = LayerKV(
-        kind=GroupKind.SLIDING_WINDOW,
-        block_size=block_size,
-        page_size_bytes=page,
-        sliding_window=1024,
-    )
-    full = LayerKV(kind=GroupKind.FULL, block_size=block_size, page_size_bytes=page)
+    sliding, full = _sliding_and_full(num_kv_heads=16, head_dim=128, sliding_window=1024)
     layers = [
         (f"language_model.model.layers.{i}.self_attn.attn", full if (i + 1) % 6 == 0 else sliding)
         for i in range(62)
@@ -63,15 +74,7 @@ def gpt_oss_20b() -> ModelGroups:
     vllm-project/vllm tests/config/base_model_arch_groundtruth.json (24 layers, 8 KV
     heads, head size 64). vLLM makes 2 groups of 12 layers.
     """
-    block_size = GPU_DEFAULT_BLOCK_SIZE
-    page = attention_page_size_bytes(block_size=block_size, num_kv_heads=8, head_dim=64)
-    sliding = LayerKV(
-        kind=GroupKind.SLIDING_WINDOW,
-        block_size=block_size,
-        page_size_bytes=page,
-        sliding_window=128,
-    )
-    full = LayerKV(kind=GroupKind.FULL, block_size=block_size, page_size_bytes=page)
+    sliding, full = _sliding_and_full(num_kv_heads=8, head_dim=64, sliding_window=128)
     layers = [(f"model.layers.{i}.attn.attn", sliding if i % 2 == 0 else full) for i in range(24)]
     return ModelGroups(groups=group_layers_like_vllm(layers), model_id="openai/gpt-oss-20b")
 

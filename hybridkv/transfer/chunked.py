@@ -153,7 +153,7 @@ class ChunkedCopies:
         self.device = caches.device
         groups = range(caches.model_groups.num_groups)
         self._spans = [self._group_spans(g) for g in groups]
-        self._span_order = [caches.spans_may_share_bytes(g) for g in groups]
+        self._rounds = [self._write_rounds(g) for g in groups]
         self.fused = _use_fused(self.device, fused)
         """One kernel launch per piece (``span_kernel``) instead of one op per span."""
         self._tables = [self._span_table(g) for g in groups] if self.fused else []
@@ -177,12 +177,9 @@ class ChunkedCopies:
         try:
             for group_id, table in enumerate(self._tables):
                 pitch = self.caches.model_groups.groups[group_id].block_bytes
-                rounds = [slice(None)]
-                if self._span_order[group_id]:
-                    rounds = [slice(i, i + 1) for i in range(len(self._spans[group_id]))]
                 for part in (ids[:1], ids[1:]):
                     table.copy(part, half, pitch, to_cache=False)
-                    for spans in rounds:
+                    for spans in self._rounds[group_id]:
                         table.copy(part, half, pitch, to_cache=True, spans=spans)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -236,12 +233,9 @@ class ChunkedCopies:
         and a round starts only after the one before it is done on both streams."""
         block_bytes = self.caches.model_groups.groups[group_id].block_bytes
         pieces = plan_pieces(offsets, block_bytes, self.half_bytes, scratch_gaps=scratch_gaps)
-        num_spans = len(self._spans[group_id])
-        ordered = self._span_order[group_id]
-        rounds = [slice(i, i + 1) for i in range(num_spans)] if ordered else [slice(None)]
         with self._lock, _Turns(self._side, self._halves) as turns:
             index = turns.upload(ids)
-            for round_spans in rounds:
+            for round_spans in self._rounds[group_id]:
                 turns.join()
                 for k, piece in enumerate(pieces):
                     with turns.take(k) as half:
@@ -285,6 +279,13 @@ class ChunkedCopies:
             wide = {dtype: raw.view(dtype) for width, dtype in _WIDTHS if bits % width == 0}
             spans.append(_Span(raw, span.object_offset_bytes, span.num_bytes, bits, wide))
         return spans
+
+    def _write_rounds(self, group_id: int) -> list[slice]:
+        """The spans a scatter writes in each round: one at a time where they may share
+        bytes (see ``scatter``), else all in one."""
+        if not self.caches.spans_may_share_bytes(group_id):
+            return [slice(None)]
+        return [slice(i, i + 1) for i in range(len(self._spans[group_id]))]
 
     def _span_table(self, group_id: int) -> SpanTable:
         from hybridkv.transfer.span_kernel import SpanBytes, SpanTable

@@ -80,34 +80,28 @@ def _restart_targets(summaries: Sequence[Summary]) -> list[Target]:
         tiers, own, cold = (_find(summaries, setup, p) for p in ("tiers", "engine-cache", "cold"))
         if tiers is None or own is None or cold is None:
             continue
-        p50 = tiers.ttft_ms["p50"]
-        found.append(
-            Target(
-                name=f"{setup}: TTFT p50 from the tiers / from the engine's own cache",
-                value=_ratio(p50, own.ttft_ms["p50"]),
-                limit=1.10,
-                at_most=True,
-            )
-        )
-        found.append(
-            Target(
-                name=f"{setup}: TTFT p50 from the tiers / cold",
-                value=_ratio(p50, cold.ttft_ms["p50"]),
-                limit=0.05,
-                at_most=True,
-            )
-        )
+        found += [
+            _ttft_target(
+                f"{setup}: TTFT p50 from the tiers / from the engine's own cache", tiers, own, 1.10
+            ),
+            _ttft_target(f"{setup}: TTFT p50 from the tiers / cold", tiers, cold, 0.05),
+        ]
         restarted = _find(summaries, setup, "restarted")
         if restarted is not None and setup != "cpu":  # a CPU tier does not outlive its engine
             found.append(
-                Target(
-                    name=f"{setup}: TTFT p50 after a restart / cold",
-                    value=_ratio(restarted.ttft_ms["p50"], cold.ttft_ms["p50"]),
-                    limit=0.15,
-                    at_most=True,
-                )
+                _ttft_target(f"{setup}: TTFT p50 after a restart / cold", restarted, cold, 0.15)
             )
     return found
+
+
+def _ttft_target(name: str, ours: Summary, baseline: Summary, limit: float) -> Target:
+    """``ours``' TTFT p50 over ``baseline``'s, at most ``limit``."""
+    return Target(
+        name=name,
+        value=_ratio(ours.ttft_ms["p50"], baseline.ttft_ms["p50"]),
+        limit=limit,
+        at_most=True,
+    )
 
 
 def _versus_alone(
@@ -117,12 +111,7 @@ def _versus_alone(
     if alone is None or tiered is None:
         return []
     return [
-        Target(
-            name=f"{setup}: TTFT p50 / the engine alone's",
-            value=_ratio(tiered.ttft_ms["p50"], alone.ttft_ms["p50"]),
-            limit=ttft_limit,
-            at_most=True,
-        ),
+        _ttft_target(f"{setup}: TTFT p50 / the engine alone's", tiered, alone, ttft_limit),
         Target(
             name=f"{setup}: generated tokens/s / the engine alone's",
             value=_ratio(tiered.output_tokens_per_s, alone.output_tokens_per_s),

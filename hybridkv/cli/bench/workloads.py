@@ -36,6 +36,9 @@ from typing import Any
 
 from hybridkv.tools.models import default_prompt_token_ids
 
+Tokens = Callable[[int], tuple[int, ...]]
+"""Draws ``n`` token ids from the workload's seeded generator."""
+
 
 class WorkloadKind(enum.Enum):
     LONG_DOC_QA = "long-doc-qa"
@@ -260,31 +263,14 @@ def build_workload(kind: WorkloadKind, params: WorkloadParams, vocab_size: int) 
         return _mixed_workload(params, tokens, rng)
     if kind is WorkloadKind.MULTI_TURN:
         clients = tuple(
-            Client(
-                requests=tuple(
-                    Request(
-                        prefix=tokens(params.document_tokens) if r == 0 else (),
-                        question=tokens(params.question_tokens),
-                        max_tokens=params.answer_tokens,
-                        with_history=r > 0,
-                        think_s=params.think_s if r > 0 else 0.0,
-                    )
-                    for r in range(params.rounds)
-                )
-            )
+            _conversation(params, tokens, params.document_tokens, think_s=params.think_s)
             for _ in range(params.clients)
         )
         return Workload(kind=kind, params=params, clients=clients)
     docs = [tokens(params.document_tokens) for _ in range(params.documents)]
 
     def ask(d: int, engine: int = 0, think_s: float = 0.0) -> Request:
-        return Request(
-            prefix=docs[d],
-            question=tokens(params.question_tokens),
-            max_tokens=params.answer_tokens,
-            engine=engine,
-            think_s=think_s,
-        )
+        return _request(params, tokens, docs[d], engine=engine, think_s=think_s)
 
     if kind is WorkloadKind.RESTART:
         requests = tuple(ask(d) for d in range(len(docs)))
@@ -307,30 +293,52 @@ def build_workload(kind: WorkloadKind, params: WorkloadParams, vocab_size: int) 
     return Workload(kind=kind, params=params, clients=tuple(c for c in clients if c.requests))
 
 
-def _route_workload(
-    params: WorkloadParams, tokens: Callable[[int], tuple[int, ...]], rng: random.Random
-) -> Workload:
-    def request(prefix: tuple[int, ...], with_history: bool) -> Request:
-        question = tokens(params.question_tokens)
-        return Request(
-            prefix=prefix,
-            question=question,
-            max_tokens=params.answer_tokens,
-            with_history=with_history,
-        )
+def _request(
+    params: WorkloadParams,
+    tokens: Tokens,
+    prefix: tuple[int, ...],
+    *,
+    with_history: bool = False,
+    engine: int = 0,
+    think_s: float = 0.0,
+) -> Request:
+    """A request of ``prefix`` and a new question."""
+    return Request(
+        prefix=prefix,
+        question=tokens(params.question_tokens),
+        max_tokens=params.answer_tokens,
+        with_history=with_history,
+        engine=engine,
+        think_s=think_s,
+    )
 
-    conversations = [
-        Client(
-            requests=tuple(
-                request(tokens(params.document_tokens) if r == 0 else (), r > 0)
-                for r in range(params.rounds)
+
+def _conversation(
+    params: WorkloadParams, tokens: Tokens, opening_tokens: int, *, think_s: float = 0.0
+) -> Client:
+    """``rounds`` requests: an opening prompt of ``opening_tokens``, then questions sent
+    after the history, each ``think_s`` after the answer before it."""
+    return Client(
+        requests=tuple(
+            _request(
+                params,
+                tokens,
+                tokens(opening_tokens) if r == 0 else (),
+                with_history=r > 0,
+                think_s=think_s if r > 0 else 0.0,
             )
+            for r in range(params.rounds)
         )
-        for _ in range(params.clients)
+    )
+
+
+def _route_workload(params: WorkloadParams, tokens: Tokens, rng: random.Random) -> Workload:
+    conversations = [
+        _conversation(params, tokens, params.document_tokens) for _ in range(params.clients)
     ]
     documents = [tokens(params.document_tokens) for _ in range(params.documents)]
     asked = [
-        Client(requests=tuple(request(doc, False) for _ in range(params.questions)))
+        Client(requests=tuple(_request(params, tokens, doc) for _ in range(params.questions)))
         for doc in documents
     ]
     clients = (*conversations, *asked)
@@ -345,35 +353,20 @@ def _route_workload(
     )
 
 
-def _mixed_workload(
-    params: WorkloadParams, tokens: Callable[[int], tuple[int, ...]], rng: random.Random
-) -> Workload:
+def _mixed_workload(params: WorkloadParams, tokens: Tokens, rng: random.Random) -> Workload:
     """One engine; in each of ``rounds`` rounds, in a seeded order: every system prompt
     with a new question, a question on ``documents`` in turn (each asked ``questions``
     times over the run), a turn of each of ``clients`` conversations (the history
     resent) and ``one_offs`` prompts never seen again."""
 
-    def request(prefix: tuple[int, ...], with_history: bool = False) -> Request:
-        question = tokens(params.question_tokens)
-        return Request(
-            prefix=prefix,
-            question=question,
-            max_tokens=params.answer_tokens,
-            with_history=with_history,
-        )
+    def request(prefix: tuple[int, ...]) -> Request:
+        return _request(params, tokens, prefix)
 
     half = max(1, params.document_tokens // 2)
     systems = [tokens(half) for _ in range(params.system_prompts)]
     documents = [tokens(params.document_tokens) for _ in range(params.documents)]
     asked = [d for d in range(params.documents) for _ in range(params.questions)]
-    conversations = [
-        Client(
-            requests=tuple(
-                request(tokens(half) if r == 0 else (), r > 0) for r in range(params.rounds)
-            )
-        )
-        for _ in range(params.clients)
-    ]
+    conversations = [_conversation(params, tokens, half) for _ in range(params.clients)]
     shared = [
         Client(requests=tuple(request(system) for _ in range(params.rounds))) for system in systems
     ]

@@ -98,8 +98,11 @@ class KindRules:
         return 0, 1
 
     def relevant(self, group: KVGroup, lo: int, maybe: BoolArray, drop: bool, a: int) -> BoolArray:
-        """Which indices of the window (``maybe``: no group said missing) can still matter."""
-        return maybe
+        """Which indices of the window (``maybe``: no group said missing) can still matter.
+
+        Default: those before the first missing one, for a kind that needs every block
+        of the window up to a hit's end."""
+        return prefix_mask(maybe)
 
     def probe(self, group: KVGroup, lo: int, hi: int, drop: bool, a: int) -> range | None:
         """The blocks that, all held, make the longest hit the window allows: asked first,

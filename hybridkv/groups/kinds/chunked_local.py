@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from hybridkv.groups.kinds.base import (
-    BoolArray,
     Found,
     GroupKind,
     KindRules,
     first_missing,
-    prefix_mask,
 )
 
 if TYPE_CHECKING:
@@ -27,9 +25,6 @@ class ChunkedLocalRules(KindRules):
         assert group.attention_chunk_size is not None
         chunk_start = bound // group.attention_chunk_size * group.attention_chunk_size
         return chunk_start // group.block_size, bound // group.block_size
-
-    def relevant(self, group: KVGroup, lo: int, maybe: BoolArray, drop: bool, a: int) -> BoolArray:
-        return prefix_mask(maybe)
 
     def find(self, group: KVGroup, lo: int, have: bytes, drop: bool, align: int) -> Found:
         end_block = lo + first_missing(have)

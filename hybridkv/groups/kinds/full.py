@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from hybridkv.groups.kinds.base import (
-    BoolArray,
     Found,
     GroupKind,
     KindRules,
     first_missing,
-    prefix_mask,
 )
 
 if TYPE_CHECKING:
@@ -20,9 +18,6 @@ if TYPE_CHECKING:
 class FullRules(KindRules):
     kind: ClassVar[GroupKind] = GroupKind.FULL
     searched_once = True
-
-    def relevant(self, group: KVGroup, lo: int, maybe: BoolArray, drop: bool, a: int) -> BoolArray:
-        return prefix_mask(maybe)
 
     def find(self, group: KVGroup, lo: int, have: bytes, drop: bool, align: int) -> Found:
         num_tokens = first_missing(have) * group.block_size

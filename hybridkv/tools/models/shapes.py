@@ -171,40 +171,49 @@ def _vllm_groups(layers: list[_Layer]) -> tuple[GroupShape, ...]:
     return tuple(groups)
 
 
+def _shape(
+    types: list[str], config: dict[str, Any], *, window: int | None, attention: str
+) -> _Shape:
+    """A shape of ``config``'s model over layers of ``types`` (``_layers``), with the
+    vocabulary and special tokens every shape has."""
+    hf_config = {
+        **config,
+        "vocab_size": VOCAB_SIZE,
+        "num_hidden_layers": len(types),
+        "layer_types": types,
+        **SPECIAL_TOKEN_IDS,
+    }
+    return _Shape(
+        # The real models' dtype, and the only one the CPU gated-delta-net kernels run in.
+        recipe=Recipe(dtype="bfloat16", hf_config=hf_config),
+        groups=_vllm_groups(_layers(types, window=window, attention=attention)),
+    )
+
+
 def _gemma3(layers: int, hidden: int, intermediate: int) -> _Shape:
     window = 512
     types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
     config = {
         "model_type": "gemma3_text",
-        "vocab_size": VOCAB_SIZE,
         "hidden_size": hidden,
         "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 1,
         "head_dim": 256,
         "query_pre_attn_scalar": 256,
         "sliding_window": window,
-        "layer_types": types,
         "max_position_embeddings": 32768,
         "rope_theta": 1_000_000.0,
-        **SPECIAL_TOKEN_IDS,
     }
-    return _Shape(
-        recipe=Recipe(dtype="bfloat16", hf_config=config),
-        groups=_vllm_groups(_layers(types, window=window, attention="self_attn.attn")),
-    )
+    return _shape(types, config, window=window, attention="self_attn.attn")
 
 
 def _qwen3_next_small() -> _Shape:
     types = (["linear_attention"] * 3 + ["full_attention"]) * 2
     config = {
         "model_type": "qwen3_next",
-        "vocab_size": VOCAB_SIZE,
         "hidden_size": 1024,
         "intermediate_size": 2048,
-        "num_hidden_layers": len(types),
-        "layer_types": types,
         "num_attention_heads": 8,
         "num_key_value_heads": 2,
         "head_dim": 256,
@@ -220,13 +229,8 @@ def _qwen3_next_small() -> _Shape:
         "shared_expert_intermediate_size": 512,
         "max_position_embeddings": 32768,
         "tie_word_embeddings": False,
-        **SPECIAL_TOKEN_IDS,
     }
-    return _Shape(
-        # The CPU gated-delta-net kernels run in bfloat16 only.
-        recipe=Recipe(dtype="bfloat16", hf_config=config),
-        groups=_vllm_groups(_layers(types, window=None, attention="self_attn.attn")),
-    )
+    return _shape(types, config, window=None, attention="self_attn.attn")
 
 
 def _gpt_oss_small() -> _Shape:
@@ -234,11 +238,8 @@ def _gpt_oss_small() -> _Shape:
     types = ["sliding_attention", "full_attention"] * 4
     config = {
         "model_type": "gpt_oss",
-        "vocab_size": VOCAB_SIZE,
         "hidden_size": 768,
         "intermediate_size": 768,
-        "num_hidden_layers": len(types),
-        "layer_types": types,
         "num_attention_heads": 16,
         "num_key_value_heads": 8,
         "head_dim": 64,
@@ -248,12 +249,8 @@ def _gpt_oss_small() -> _Shape:
         # gpt-oss's own: its YaRN RoPE stretches 4096 positions 32 times.
         "max_position_embeddings": 131072,
         "tie_word_embeddings": False,
-        **SPECIAL_TOKEN_IDS,
     }
-    return _Shape(
-        recipe=Recipe(dtype="bfloat16", hf_config=config),
-        groups=_vllm_groups(_layers(types, window=window, attention="attn.attn")),
-    )
+    return _shape(types, config, window=window, attention="attn.attn")
 
 
 _SHAPES: dict[ShapeKind, Callable[[], _Shape]] = {
