@@ -79,7 +79,8 @@ class ConnectorConfig:
             description=(
                 "chain: whenever a request's blocks are stored or loaded, the cpu tier "
                 "reorders all of them so its last blocks are evicted first and its first "
-                "blocks (which every hit needs) last; lru: plain recency, a prompt's first "
+                "blocks (which every hit needs) last, and the disk tier its segments holding "
+                "them the same way; lru: plain recency, a prompt's first "
                 "blocks go first; worth: chain, and the cpu tier passes a request's blocks "
                 "over round(r) - 1 times (at most 3) when they come round to be evicted, "
                 "again after each use, where r is the prefill tokens a hit on them all saves "

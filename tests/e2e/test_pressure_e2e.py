@@ -21,6 +21,7 @@ from hybridkv.tools.models import TinyModelKind, default_prompt_token_ids
 from tests.e2e.expect import assert_same_outputs, counter, describe, engine_facts
 from tests.e2e.harness import Harness
 from tests.e2e.scenarios import RESET, SETTLE, engine, generate
+from tests.support.disk import segment_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +33,7 @@ MAX_TOKENS = 16
 CONVERSATIONS_HELD = 3
 """The tiers' room, in conversations' first turns (every group's blocks)."""
 MIN_SECOND_TURN_HITS = 3
+OBJECTS_PER_SEGMENT = 3
 
 
 def _first_turns(vocab: int) -> list[list[int]]:
@@ -49,11 +51,17 @@ def _questions(vocab: int) -> list[list[int]]:
 
 
 def _tier_sizes(facts: dict[str, Any]) -> tuple[int, int, int]:
-    """CPU capacity, disk capacity and disk segment, in bytes: 4 pages, 16 pages in four
-    segments (1 MiB and 4 MiB where pages are 256 KiB); about ``CONVERSATIONS_HELD``
-    first turns, every group's blocks."""
+    """CPU capacity, disk capacity and disk segment, in bytes, from the engine's pages and
+    blocks: the disk holds about ``CONVERSATIONS_HELD`` first turns' objects (each full
+    block and up to two states), three to a segment; the CPU tier a quarter of that. (With
+    256 KiB pages and 128-token blocks: about 1 MiB and 5 MiB.)"""
     page_bytes = max(int(g["page_size_bytes"]) for g in facts["groups"])
-    return 4 * page_bytes, 16 * page_bytes, 4 * page_bytes
+    block_size = min(int(g["block_size"]) for g in facts["groups"] if g["kind"] != "mamba")
+    objects = [(n + MAX_TOKENS) // block_size + 2 for n in FIRST_TURN_TOKENS]
+    held = -(-CONVERSATIONS_HELD * sum(objects) // len(objects))
+    num_segments = -(-held // OBJECTS_PER_SEGMENT)
+    segment = segment_bytes(OBJECTS_PER_SEGMENT, page_bytes)
+    return max(2, held // 4) * page_bytes, num_segments * segment, segment
 
 
 def _second_turns(harness: Harness) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -123,11 +131,9 @@ def test_second_turns_under_pressure_give_the_engine_alones_tokens(harness: Harn
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "0 of 7 hit, both times: after the first turns the tiers hold the last "
-        "conversation whole and tail blocks of the one before, its head and state gone "
-        "(the disk evicts its oldest segments, so a chain's head first); and second turns "
-        "sent in the same order are a cyclic scan, where recency evicts each conversation "
-        "just before it comes back"
+        "0 of 7 hit, both times: under recency, seven conversations sent in turn through "
+        "room for about three are a cyclic scan, each evicted just before it comes back "
+        "(docs/DECISIONS.md, 'Tiers under pressure')"
     ),
 )
 def test_tiers_under_pressure_keep_some_conversations_whole(harness: Harness) -> None:
