@@ -51,6 +51,7 @@ from hybridkv.transfer import (
     TransferPart,
 )
 from hybridkv.transfer.staging import PHASE_BYTES, STAGING_ALIGN_BYTES
+from tests.support.errors import assert_names_every_problem
 from tests.support.kv_caches import VllmAllocate, qwen_next_like, real_vllm_allocator
 
 pytestmark = pytest.mark.timeout(120)
@@ -1093,13 +1094,11 @@ def test_regions_stay_parked_while_the_tier_may_touch_staging() -> None:
 def test_transfer_config_names_every_bad_setting() -> None:
     with pytest.raises(ValueError) as info:
         TransferConfig(staging_bytes=0, num_workers=True, load_timeout_s=-1.0, pin_memory=1)  # type: ignore[arg-type]
-    message = str(info.value)
-    assert message.startswith("invalid TransferConfig: ")
-    for fragment in (
+    bad_settings = [
         "staging_bytes=0: must be greater than 0",
         "num_workers=True: must be a valid integer",
         "load_timeout_s=-1.0: must be greater than 0",
         "pin_memory=1: must be a valid boolean",
-    ):
-        assert fragment in message, (fragment, message)
+    ]
+    assert_names_every_problem(info, "invalid TransferConfig: ", bad_settings)
     assert TransferConfig(load_timeout_s=None, store_timeout_s=5).store_timeout_s == 5
