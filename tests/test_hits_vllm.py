@@ -41,6 +41,7 @@ from hybridkv.tools.presets import deepseek_v4_flash, deepseek_v4_pro
 from tests.support.hits import (
     chunked,
     full,
+    lookup,
     mamba,
     random_groups,
     random_stores,
@@ -182,12 +183,8 @@ def test_matches_vllm_coordinator_on_random_layouts() -> None:
         stored = random_stores(rng, groups, max_hit_tokens, STORE_STYLES)
         hbs = hash_block_size_for(rng, groups)
         expected = vllm_hit(groups, stored, max_hit_tokens, align, hbs, use_eagle)
-        got = find_longest_hit(
-            groups,
-            max_hit_tokens,
-            lambda g, ids: [i in stored[g] for i in ids],  # noqa: B023
-            alignment_tokens=alignment,
-            use_eagle=use_eagle,
+        got, _ = lookup(
+            groups, stored, max_hit_tokens, alignment_tokens=alignment, use_eagle=use_eagle
         )
         assert got == expected, (groups, stored, max_hit_tokens, alignment, hbs, use_eagle)
         counts["cases"] += 1
@@ -223,12 +220,7 @@ def test_gemma_and_qwen_like_layouts_at_scale() -> None:
             align = math.lcm(*(g.block_size for g in groups))
             hbs = reduce(math.gcd, (g.block_size for g in groups))
             expected = vllm_hit(groups, stored, max_hit_tokens, align, hbs, use_eagle)
-            got = find_longest_hit(
-                groups,
-                max_hit_tokens,
-                lambda g, ids: [i in stored[g] for i in ids],  # noqa: B023
-                use_eagle=use_eagle,
-            )
+            got, _ = lookup(groups, stored, max_hit_tokens, use_eagle=use_eagle)
             assert got == expected
             hits.append(got.num_tokens)
     assert sum(t > 1024 for t in hits) >= 4, hits  # long hits, not only trivial ones
@@ -243,7 +235,7 @@ def test_eagle_with_identical_full_groups_matches_vllm(num_groups: int, expected
     groups = [full(16, name=f"f{i}") for i in range(num_groups)]
     stored = [set(range(6)) for _ in groups]
     want = vllm_hit(groups, stored, 95, 16, 16, use_eagle=True)
-    got = find_longest_hit(groups, 95, lambda g, ids: [i in stored[g] for i in ids], use_eagle=True)
+    got, _ = lookup(groups, stored, 95, use_eagle=True)
     assert got == want and got.num_tokens == expected
     assert got.blocks_to_load == tuple(tuple(range(expected // 16)) for _ in groups)
 
@@ -277,12 +269,8 @@ def test_eagle_drops_where_vllm_drops_with_any_groups_flagged() -> None:
         flagged = frozenset(i for i in range(len(groups)) if rng.random() < 0.4)
         hbs = hash_block_size_for(rng, groups)
         want = vllm_hit(groups, stored, request - 1, align, hbs, True, flagged)
-        got = find_longest_hit(
-            groups,
-            request - 1,
-            lambda g, ids: [i in stored[g] for i in ids],  # noqa: B023
-            use_eagle=True,
-            eagle_group_ids=flagged or None,
+        got, _ = lookup(
+            groups, stored, request - 1, use_eagle=True, eagle_group_ids=flagged or None
         )
         assert got == want, (groups, stored, request, sorted(flagged), hbs)
         seen["flagged some" if flagged else "flagged none"] += 1
@@ -408,10 +396,10 @@ def test_deepseek_v4_layouts_match_vllm() -> None:
                 rng, groups, max_hit_tokens, ("dense", "dense", "holes", "prefix")
             )
         want = vllm_hit(groups, stored, max_hit_tokens, 256, 4, use_eagle, flagged, scheduler_spec)
-        got = find_longest_hit(
+        got, _ = lookup(
             groups,
+            stored,
             max_hit_tokens,
-            lambda g, ids: [i in stored[g] for i in ids],  # noqa: B023
             alignment_tokens=256,
             use_eagle=use_eagle,
             eagle_group_ids=flagged or None,
@@ -479,12 +467,7 @@ def test_decode_context_parallel_hits_match_vllms_coordinator(dcp: int) -> None:
             make_spec=lambda g: specs[groups.index(g)],  # noqa: B023
             dcp_world_size=dcp,
         )
-        got = find_longest_hit(
-            groups,
-            max_hit_tokens,
-            lambda g, ids: [i in stored[g] for i in ids],  # noqa: B023
-            use_eagle=use_eagle,
-        )
+        got, _ = lookup(groups, stored, max_hit_tokens, use_eagle=use_eagle)
         assert got == expected, (specs, stored, max_hit_tokens, hash_block_size, use_eagle)
         counts["cases"] += 1
         counts["hits"] += got.num_tokens > 0

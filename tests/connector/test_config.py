@@ -24,6 +24,7 @@ from hybridkv.tiers.cpu import CpuConfig
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.ranks import WorkerRank
 from hybridkv.tiers.selection import Selection
+from tests.support.errors import assert_names_every_problem
 
 
 def test_empty_config_is_cpu_then_disk_under_the_cache_dir_env(
@@ -105,9 +106,7 @@ def test_all_problems_in_one_error_with_the_allowed_keys() -> None:
                 "tiers": [{"kind": "cpu"}, {"kind": "tape"}],
             }
         )
-    message = str(info.value)
-    assert message.startswith("kv_connector_extra_config: 8 problems:")
-    for fragment in (
+    problems = [
         "cpu_capacity: unknown key; allowed keys: tiers, cache_dir, cpu_capacity_bytes",
         "load_timeout_s=-1: must be greater than 0",
         "hit_alignment_tokens='many': must be a valid integer",
@@ -116,8 +115,8 @@ def test_all_problems_in_one_error_with_the_allowed_keys() -> None:
         "cache_dir=7: must be a non-empty path string",
         "tiers[0].capacity_bytes: required key is missing (size of the memory arena)",
         "tiers[1].kind='tape': must be one of 'cpu', 'disk', 'mooncake', 'valkey'",
-    ):
-        assert fragment in message, fragment
+    ]
+    assert_names_every_problem(info, "kv_connector_extra_config: 8 problems:", problems)
 
 
 def test_default_sizes_with_explicit_tiers_are_refused() -> None:

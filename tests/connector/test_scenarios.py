@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.connector.metadata import LoadOutcome
+from hybridkv.connector.metadata import BlockTransfer, LoadOutcome
 from hybridkv.connector.steps import StepInput
 from hybridkv.groups import GroupKind
 from hybridkv.tools.sim.build import close_engine, make_config, make_engine
 from hybridkv.tools.sim.check import assert_kv_matches_cold
 from hybridkv.tools.sim.drive import run_to_end, wait_loaded
+from hybridkv.tools.sim.engine import SimEngine
 from hybridkv.tools.sim.model import prompt
 from hybridkv.tools.sim.shapes import make_groups
 from tests.support.connector import (
@@ -94,16 +95,24 @@ def test_partial_hit_stops_where_the_prompts_diverge(
     close_engine(engine)
 
 
-def test_sliding_window_loads_only_the_window(tmp_path: Path) -> None:
-    model_groups = make_groups((SW, FULL), window=8)
+def _load_a_stored_prompt(
+    tmp_path: Path, kinds: tuple[GroupKind, ...], req_id: str
+) -> tuple[SimEngine, dict[int, BlockTransfer]]:
+    """Stores a 37-token prompt (window 8), asks a fresh engine for it: the one load it
+    plans, by group, resuming at 36 tokens."""
+    model_groups = make_groups(kinds, window=8)
     tokens = prompt(37)
     store_prompt(model_groups, tmp_path, tokens, chunk=12)
     engine = make_engine(model_groups, make_config(tmp_path))
-    assert engine.add("w", tokens) == 36
+    assert engine.add(req_id, tokens) == 36
     engine.step({})
     assert engine.last_meta is not None
     (load,) = engine.last_meta.loads
-    by_group = {t.group_id: t for t in load.transfers}
+    return engine, {t.group_id: t for t in load.transfers}
+
+
+def test_sliding_window_loads_only_the_window(tmp_path: Path) -> None:
+    engine, by_group = _load_a_stored_prompt(tmp_path, (SW, FULL), "w")
     # Resuming at 36 with a window of 8 needs tokens 29..35: blocks 7 and 8 only.
     assert by_group[0].block_indices == (7, 8)
     assert by_group[1].block_indices == tuple(range(9))
@@ -150,15 +159,7 @@ def test_sliding_window_block_is_stored_before_the_engine_reuses_it(tmp_path: Pa
 
 
 def test_mamba_loads_only_the_last_state(tmp_path: Path) -> None:
-    model_groups = make_groups((MAMBA, FULL))
-    tokens = prompt(37)
-    store_prompt(model_groups, tmp_path, tokens, chunk=12)
-    engine = make_engine(model_groups, make_config(tmp_path))
-    assert engine.add("m", tokens) == 36
-    engine.step({})
-    assert engine.last_meta is not None
-    (load,) = engine.last_meta.loads
-    by_group = {t.group_id: t for t in load.transfers}
+    engine, by_group = _load_a_stored_prompt(tmp_path, (MAMBA, FULL), "m")
     assert by_group[0].block_indices == (8,)  # the state after 36 tokens
     assert by_group[1].block_indices == tuple(range(9))
     req = engine.requests["m"]

@@ -132,18 +132,27 @@ def _ok(run: PlanRun) -> PlanRun:
     return run
 
 
+def _cold_and_warm_match_alone(
+    run: PlanRun, model: TinyModel, engine_name: str, cold_label: str, warm_label: str
+) -> tuple[dict[str, Any], list[int]]:
+    """The engine's cold and warm steps of the boundary prompts give the outputs of the
+    engine alone, and the warm one hits in full. Returns the warm step and its hits."""
+    reference = run.step("alone", "boundary")
+    for label in (cold_label, warm_label):
+        assert_same_outputs(run.step(engine_name, label), reference, model, label)
+    warm = run.step(engine_name, warm_label)
+    return warm, assert_full_hits(warm, engine_facts(run, engine_name))
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.value)
 def test_prompts_on_and_around_the_alignment_hit_and_match(
     kind: TinyModelKind, harness: Harness
 ) -> None:
     run = _ok(_plan(harness, kind))
-    model = harness.model(kind)
     facts = engine_facts(run, "first")
-    reference = run.step("alone", "boundary")
-    cold, warm = run.step("first", "boundary"), run.step("first", "boundary_warm")
-    assert_same_outputs(cold, reference, model, "cold")
-    assert_same_outputs(warm, reference, model, "warm")
-    expected = assert_full_hits(warm, facts)
+    warm, expected = _cold_and_warm_match_alone(
+        run, harness.model(kind), "first", "boundary", "boundary_warm"
+    )
     # On the alignment the last block is left to compute; one past it, it is a hit.
     align = facts["alignment_tokens"]
     assert [n % align for n in warm["num_prompt_tokens"]] == [align - 1, 0, 1] * 2
@@ -157,13 +166,9 @@ def test_chunked_prefill_stores_mid_prompt_and_matches(
     kind: TinyModelKind, harness: Harness
 ) -> None:
     run = _ok(_plan(harness, kind))
-    model = harness.model(kind)
-    facts = engine_facts(run, "chunked")
-    reference = run.step("alone", "boundary")
-    cold, warm = run.step("chunked", "chunked_cold"), run.step("chunked", "chunked_warm")
-    assert_same_outputs(cold, reference, model, "chunked cold")
-    assert_same_outputs(warm, reference, model, "chunked warm")
-    expected = assert_full_hits(warm, facts)
+    warm, expected = _cold_and_warm_match_alone(
+        run, harness.model(kind), "chunked", "chunked_cold", "chunked_warm"
+    )
     assert counter(warm["connector"], "loads", outcome="ok") == len(expected), describe(warm)
 
 

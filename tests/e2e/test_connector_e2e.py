@@ -56,6 +56,20 @@ def _cache_dir(harness: Harness, kind: TinyModelKind) -> Path:
     return harness.cache_dir(kind.value)
 
 
+def _assert_matches_alone(
+    step: dict[str, Any],
+    harness: Harness,
+    baselines: PlanRun,
+    kind: TinyModelKind,
+    what: str,
+    label: str = "cold",
+) -> None:
+    """``step`` gave the outputs of the engine without the connector on the same prompts
+    (the baseline's step ``label``)."""
+    reference = baselines.step(f"baseline-{kind.value}", label)
+    assert_same_outputs(step, reference, harness.model(kind), what)
+
+
 def _facts(run: PlanRun, engine: str = "first") -> dict[str, Any]:
     """The engine's own KV cache groups and hit alignment (they differ between CPUs)."""
     return engine_facts(run, engine)
@@ -77,8 +91,7 @@ def test_cold_run_stores_and_matches(
 ) -> None:
     run = _first(harness, kind)
     cold = run.step("first", "cold")
-    reference = baselines.step(f"baseline-{kind.value}", "cold")
-    assert_same_outputs(cold, reference, harness.model(kind), "cold run")
+    _assert_matches_alone(cold, harness, baselines, kind, "cold run")
     assert cold["metrics"].get(EXTERNAL_HITS, 0.0) == 0, describe(cold)
     stored = group_counter(cold["connector"], "stored_blocks", _facts(run))
     assert all(n > 0 for n in stored), describe(cold)  # every group stored blocks
@@ -89,11 +102,9 @@ def test_cold_run_stores_and_matches(
 def test_warm_run_loads_every_group_from_the_tiers(
     kind: TinyModelKind, harness: Harness, baselines: PlanRun
 ) -> None:
-    model = harness.model(kind)
     run = _first(harness, kind)
     warm = run.step("first", "warm")
-    reference = baselines.step(f"baseline-{kind.value}", "cold")
-    assert_same_outputs(warm, reference, model, "warm run")
+    _assert_matches_alone(warm, harness, baselines, kind, "warm run")
     facts = _facts(run)
     # vLLM's prefix cache was reset and zeroed: every cached token came from us.
     expected = assert_loaded_from_tiers(warm, facts)
@@ -115,9 +126,8 @@ def test_sixteen_concurrent_requests_with_shared_prefixes_match(
 ) -> None:
     run = _first(harness, kind)
     step = run.step("first", "concurrent")
-    reference = baselines.step(f"baseline-{kind.value}", "concurrent")
     assert len(step["output_token_ids"]) == 16
-    assert_same_outputs(step, reference, harness.model(kind), "16 concurrent requests")
+    _assert_matches_alone(step, harness, baselines, kind, "16 concurrent requests", "concurrent")
     assert step["metrics"].get(EXTERNAL_HITS, 0.0) > 0, describe(step)
     assert counter(step["connector"], "loads", outcome="failed") == 0, describe(step)
 
@@ -126,11 +136,9 @@ def test_sixteen_concurrent_requests_with_shared_prefixes_match(
 def test_fresh_process_hits_the_disk_tier(
     kind: TinyModelKind, harness: Harness, baselines: PlanRun
 ) -> None:
-    model = harness.model(kind)
     run = _restart(harness, kind)
     step = run.step("restart", "restart")
-    reference = baselines.step(f"baseline-{kind.value}", "cold")
-    assert_same_outputs(step, reference, model, "restart")
+    _assert_matches_alone(step, harness, baselines, kind, "restart")
     expected = assert_full_hits(step, _facts(_first(harness, kind)))
     assert step["metrics"].get(EXTERNAL_HITS, 0.0) == sum(expected), describe(step)
     assert step["metrics"].get(EXTERNAL_PREFILLED, 0.0) == sum(expected), describe(step)
@@ -148,8 +156,7 @@ def test_damaged_disk_files_are_detected_counted_and_recomputed(
     damage = run.op("corrupt_files")
     assert damage["corrupted"], f"no stored object files found: {damage}"
     step = run.step("corrupted", "corrupted")
-    reference = baselines.step(f"baseline-{kind.value}", "cold")
-    assert_same_outputs(step, reference, harness.model(kind), "after damage")
+    _assert_matches_alone(step, harness, baselines, kind, "after damage")
     stats = step["connector"]
     assert counter(stats, "tier_corrupt_objects", tier="disk") > 0, describe(step)
     num_failed = counter(stats, "loads", outcome="failed")
@@ -181,6 +188,5 @@ def test_second_engine_in_the_same_process_starts_and_hits(
     """Engines one after another in one process (a notebook, a test session)."""
     run = _restart(harness, kind)
     step = run.step("again", "again")
-    reference = baselines.step(f"baseline-{kind.value}", "cold")
-    assert_same_outputs(step, reference, harness.model(kind), "second engine")
+    _assert_matches_alone(step, harness, baselines, kind, "second engine")
     assert step["metrics"].get(EXTERNAL_HITS, 0.0) > 0, describe(step)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from hybridkv.tools.models import TinyModelKind
-from hybridkv.tools.netns import Network, unavailable_reason
+from hybridkv.tools.netns import Network
 from hybridkv.tools.pool import LocalPool
 from hybridkv.tools.pool_probe import time_reads
 from tests.e2e.expect import (
@@ -37,13 +37,10 @@ from tests.e2e.expect import (
 from tests.e2e.harness import Harness, PlanRun
 from tests.e2e.scenarios import base_prompts, engine, generate
 from tests.faults.report import record
+from tests.support.netns import needs_netns
 from tests.support.servers import MIB
 
-REASON = unavailable_reason()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
-]
+pytestmark = [pytest.mark.slow, needs_netns]
 
 KIND = TinyModelKind.GEMMA3
 SUBNET = "10.213.51.0/24"

@@ -22,19 +22,16 @@ from typing import Any
 import pytest
 
 from hybridkv.tools.models import TinyModelKind, default_prompt_token_ids
-from hybridkv.tools.netns import Network, unavailable_reason
+from hybridkv.tools.netns import Network
 from hybridkv.tools.pool import LocalPool
 from tests.e2e.expect import EXTERNAL_HITS, assert_same_outputs, counter, describe
 from tests.e2e.harness import Harness, PlanRun
 from tests.e2e.scenarios import RESET, base_prompts, engine, generate
 from tests.faults.report import record
+from tests.support.netns import needs_netns
 from tests.support.servers import MIB
 
-REASON = unavailable_reason()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
-]
+pytestmark = [pytest.mark.slow, needs_netns]
 
 KIND = TinyModelKind.GEMMA3
 SUBNET = "10.213.61.0/24"

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.groups import GroupKind, KVGroup, ModelGroups, make_layer_names, merge_stages
+from tests.support.errors import assert_names_every_problem
 
 
 def group(**overrides: Any) -> KVGroup:
@@ -39,7 +41,8 @@ def sliding(**overrides: Any) -> KVGroup:
 # ---------------------------------------------------------------- KVGroup validation
 
 INVALID_GROUPS = [
-    # (overrides, fragments every message must contain: field, value, rule)
+    # (overrides, fragments every message must contain: field, value, rule); checked
+    # with INVALID_LAYOUTS by test_invalid_input_names_field_value_and_rule.
     ({"block_size": 0}, ["block_size=0", "must be greater than 0"]),
     ({"block_size": -16}, ["block_size=-16", "must be greater than 0"]),
     ({"block_size": "16"}, ["block_size='16'", "must be a valid integer"]),
@@ -70,18 +73,6 @@ INVALID_GROUPS = [
         ["attention_chunk_size=64", "only allowed for kind chunked_local"],
     ),
 ]
-
-
-@pytest.mark.parametrize(("overrides", "fragments"), INVALID_GROUPS)
-def test_invalid_group_names_field_value_and_rule(
-    overrides: dict[str, Any], fragments: list[str]
-) -> None:
-    with pytest.raises(ValueError) as info:
-        group(**overrides)
-    message = str(info.value)
-    assert message.startswith("invalid KVGroup: ")
-    for fragment in fragments:
-        assert fragment in message, (fragment, message)
 
 
 def test_a_pipeline_stage_may_hold_no_layer_of_a_group_but_of_some_group() -> None:
@@ -215,7 +206,7 @@ def test_default_block_sizes_match_brute_force(block_sizes: list[int]) -> None:
     assert model_groups.hash_block_size == brute_gcd(block_sizes)
 
 
-INVALID_GROUPS = [
+INVALID_LAYOUTS = [
     (
         {"groups": (group(block_size=16), sliding(block_size=6)), "hash_block_size": 4},
         ["group 1 block_size=6", "not divisible by hash_block_size=4", "e.g. their GCD 2"],
@@ -240,16 +231,22 @@ INVALID_GROUPS = [
 ]
 
 
-@pytest.mark.parametrize(("fields", "fragments"), INVALID_GROUPS)
-def test_invalid_layout_names_field_value_and_rule(
-    fields: dict[str, Any], fragments: list[str]
+INVALID_INPUTS = [
+    *(pytest.param(group, "KVGroup", o, f, id=f"KVGroup-{f[0]}") for o, f in INVALID_GROUPS),
+    *(
+        pytest.param(ModelGroups, "ModelGroups", o, f, id=f"ModelGroups-{f[0]}")
+        for o, f in INVALID_LAYOUTS
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "name", "fields", "fragments"), INVALID_INPUTS)
+def test_invalid_input_names_field_value_and_rule(
+    make: Callable[..., object], name: str, fields: dict[str, Any], fragments: list[str]
 ) -> None:
     with pytest.raises(ValueError) as info:
-        ModelGroups(**fields)
-    message = str(info.value)
-    assert message.startswith("invalid ModelGroups: ")
-    for fragment in fragments:
-        assert fragment in message, (fragment, message)
+        make(**fields)
+    assert_names_every_problem(info, f"invalid {name}: ", fragments)
 
 
 def test_layout_collects_every_problem_into_one_error() -> None:

@@ -16,36 +16,27 @@ from hybridkv.hits import Hit, find_longest_hit
 # ---------------------------------------------------------------- helpers
 
 
-def full(block_size: int, page: int = 64, name: str = "f") -> KVGroup:
+def _group(kind: GroupKind, block_size: int, page: int, name: str, **kind_field: int) -> KVGroup:
+    """One single-layer group; ``kind_field`` is the kind's own setting, if it has one."""
     return KVGroup(
-        kind=GroupKind.FULL, block_size=block_size, page_size_bytes=page, layer_names=(name,)
+        kind=kind, block_size=block_size, page_size_bytes=page, layer_names=(name,), **kind_field
     )
+
+
+def full(block_size: int, page: int = 64, name: str = "f") -> KVGroup:
+    return _group(GroupKind.FULL, block_size, page, name)
 
 
 def swa(block_size: int, window: int, page: int = 64, name: str = "s") -> KVGroup:
-    return KVGroup(
-        kind=GroupKind.SLIDING_WINDOW,
-        block_size=block_size,
-        page_size_bytes=page,
-        layer_names=(name,),
-        sliding_window=window,
-    )
+    return _group(GroupKind.SLIDING_WINDOW, block_size, page, name, sliding_window=window)
 
 
 def chunked(block_size: int, chunk: int, page: int = 64, name: str = "c") -> KVGroup:
-    return KVGroup(
-        kind=GroupKind.CHUNKED_LOCAL,
-        block_size=block_size,
-        page_size_bytes=page,
-        layer_names=(name,),
-        attention_chunk_size=chunk,
-    )
+    return _group(GroupKind.CHUNKED_LOCAL, block_size, page, name, attention_chunk_size=chunk)
 
 
 def mamba(block_size: int, page: int = 64, name: str = "m") -> KVGroup:
-    return KVGroup(
-        kind=GroupKind.MAMBA, block_size=block_size, page_size_bytes=page, layer_names=(name,)
-    )
+    return _group(GroupKind.MAMBA, block_size, page, name)
 
 
 @dataclass

@@ -25,6 +25,14 @@ def payloads(sizes: list[int], seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
 
 
+def put_new(tier: Tier, sizes: list[int], seed: int = 0) -> tuple[list[StoreKey], list[np.ndarray]]:
+    """Stores fresh keys holding ``payloads(sizes, seed)``; every put must succeed."""
+    keys = new_keys(len(sizes))
+    buffers = payloads(sizes, seed)
+    assert tier.put_many(keys, buffers) == [PutStatus.OK] * len(sizes)
+    return keys, buffers
+
+
 def check_round_trip_matches_a_dict(
     tier: Tier, batches: list[list[tuple[int, int]]], wrong_size: bool
 ) -> None:

@@ -16,7 +16,7 @@ from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey
 from hybridkv.tiers.codec import checksum, key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.memory import ALIGN_BYTES, PAGE_BYTES, ExtentAllocator, allocate_arena
-from tests.support.threads import run_on_threads
+from tests.support.threads import random_calls_on_threads
 
 
 def digests(keys: list[StoreKey]) -> list[bytes]:
@@ -301,29 +301,7 @@ def test_arena_is_pinned_exactly_when_cuda_is_available() -> None:
 def test_threads_under_eviction_pressure_keep_bookkeeping_consistent() -> None:
     tier = cpu_tier(64 << 10)
     sizes = [1000, 2500, 7000]
-    errors: list[str] = []
-
-    def work(seed: int) -> None:
-        rng = random.Random(seed)
-        for _ in range(400):
-            i = rng.randrange(40)
-            k, n = key(i), sizes[i % 3]
-            op = rng.random()
-            if op < 0.4:
-                tier.put_many([k], [payload(k, n)])
-            elif op < 0.8:
-                status, out = get_one(tier, k, n)
-                if status is GetStatus.OK and not np.array_equal(out, payload(k, n)):
-                    errors.append(f"wrong bytes for {k}")
-                elif status not in (GetStatus.OK, GetStatus.MISS):
-                    errors.append(f"{status} for {k}")
-            elif op < 0.9:
-                tier.contains_many([k, key(i + 1)])
-            else:
-                tier.delete_many([k])
-
-    run_on_threads(work, num_threads=8)
-    assert errors == []
+    assert random_calls_on_threads(tier, key, payload, sizes, num_calls=400) == []
     assert tier.stats().evictions > 0
     tier.check_integrity()
 

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from hybridkv.tools.netns import Network, unavailable_reason
+from hybridkv.tools.netns import Network
+from tests.support.netns import needs_netns
 
-REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+pytestmark = needs_netns
 
 PORT = 7411
 ECHO = (

@@ -354,17 +354,31 @@ def smallest_block(state_bytes: int, per_token: int) -> int:
     return next(bs for bs in range(16, 100_000, 16) if bs * per_token >= state_bytes)
 
 
+def mamba2_hybrid_specs(
+    *, num_heads: int, head_dim: int, n_groups: int, num_kv_heads: int, block_size: int
+) -> tuple[MambaSpec, MambaSpec, FullAttentionSpec]:
+    """A Mamba2 + attention model's specs at ``block_size``: the state unpadded, the state
+    as its layers declare it (padded), the attention. ``block_size`` must be vLLM's pick."""
+    state = mamba2_spec(num_heads, head_dim, n_groups, block_size)
+    attention = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=128, dtype=BF16
+    )
+    per_token = attention.page_size_bytes // block_size
+    assert smallest_block(state.page_size_bytes, per_token) == block_size
+    return state, padded(state, attention.page_size_bytes), attention
+
+
 def test_granite_4_0_h_tiny_matches_vllm() -> None:
-    state = mamba2_spec(num_heads=48, head_dim=64, n_groups=1, block_size=400)
+    state, layer_state, attention = mamba2_hybrid_specs(
+        num_heads=48, head_dim=64, n_groups=1, num_kv_heads=4, block_size=400
+    )
     assert state.page_size_bytes == GRANITE_4_0_H_TINY_STATE_BYTES == 806_400
-    attention = FullAttentionSpec(block_size=400, num_kv_heads=4, head_size=128, dtype=BF16)
-    assert smallest_block(state.page_size_bytes, attention.page_size_bytes // 400) == 400
     specs: dict[str, KVCacheSpec] = {}
     for i in range(40):
         if i in (5, 15, 25, 35):
             specs[f"model.layers.{i}.self_attn.attn"] = attention
         else:
-            specs[f"model.layers.{i}.mixer"] = padded(state, attention.page_size_bytes)
+            specs[f"model.layers.{i}.mixer"] = layer_state
     model_groups = granite_4_0_h_tiny()
     assert ours(model_groups) == vllm_groups(specs)
     assert [(g.kind, g.num_layers) for g in model_groups.groups] == [
@@ -376,14 +390,14 @@ def test_granite_4_0_h_tiny_matches_vllm() -> None:
 
 
 def test_nemotron_nano_9b_v2_matches_vllm() -> None:
-    state = mamba2_spec(num_heads=128, head_dim=80, n_groups=8, block_size=672)
+    state, layer_state, attention = mamba2_hybrid_specs(
+        num_heads=128, head_dim=80, n_groups=8, num_kv_heads=8, block_size=672
+    )
     assert state.page_size_bytes == NEMOTRON_NANO_9B_V2_STATE_BYTES == 2_695_168
-    attention = FullAttentionSpec(block_size=672, num_kv_heads=8, head_size=128, dtype=BF16)
-    assert smallest_block(state.page_size_bytes, attention.page_size_bytes // 672) == 672
     specs: dict[str, KVCacheSpec] = {}
     for i, kind in enumerate(NEMOTRON_NANO_9B_V2_PATTERN):
         if kind == "M":
-            specs[f"model.layers.{i}.mixer"] = padded(state, attention.page_size_bytes)
+            specs[f"model.layers.{i}.mixer"] = layer_state
         elif kind == "*":
             specs[f"model.layers.{i}.mixer.attn"] = attention
     assert (len(NEMOTRON_NANO_9B_V2_PATTERN), len(specs)) == (56, 31)

@@ -91,13 +91,43 @@ def block_bytes_of(canonical: object, group_id: int, block_id: int) -> bytes:
     return out.tobytes()
 
 
+def cpu_and_disk(tmp_path: Path, cpu_bytes: int = 1 << 20) -> tuple[CpuTier, DiskTier, TieredStore]:
+    """A CPU tier (its memory lent out for in-place copies) in front of a 16 MiB disk tier."""
+    cpu = CpuTier(CpuConfig(capacity_bytes=cpu_bytes, pin_memory=False))
+    disk = DiskTier(DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=16 << 20))
+    return cpu, disk, TieredStore([cpu, disk])
+
+
+def in_place_engine(
+    canonical: object, store: TieredStore, mode: dict[str, object]
+) -> TransferEngine:
+    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
+    return TransferEngine(canonical, store, config)  # type: ignore[arg-type]
+
+
+def assert_load_restores(
+    engine: TransferEngine,
+    parts: list[TransferPart],
+    buffer: torch.Tensor,
+    canonical: object,
+    ids: list[int],
+    where: str = "",
+) -> None:
+    """Zero blocks ``ids`` of every cache, load ``parts``: the job succeeds and every
+    byte of the caches is back."""
+    saved = buffer.clone()
+    for t in canonical.tensors:  # type: ignore[attr-defined]
+        t[ids] = 0
+    assert run(engine, engine.submit_load(parts)).ok
+    assert torch.equal(buffer, saved), where
+
+
 def test_a_store_lands_in_the_tier_memory_without_staging(
     caches: tuple[ModelGroups, torch.Tensor, object], mode: dict[str, object]
 ) -> None:
     model_groups, buffer, canonical = caches
     cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
-    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
-    with TransferEngine(canonical, TieredStore([cpu]), config) as engine:  # type: ignore[arg-type]
+    with in_place_engine(canonical, TieredStore([cpu]), mode) as engine:
         ids = random.Random(1).sample(range(1, NUM_BLOCKS), 9)
         parts = [TransferPart(g, ids, keys("s", g, ids)) for g in range(2)]
         result = run(engine, engine.submit_store(parts))
@@ -115,11 +145,7 @@ def test_a_store_lands_in_the_tier_memory_without_staging(
                 assert got == block_bytes_of(canonical, g, block)
             memory.release_many(keys("s", g, ids))
         # Load back into wiped blocks: all from memory, none through staging.
-        saved = buffer.clone()
-        for t in canonical.tensors:  # type: ignore[attr-defined]
-            t[ids] = 0
-        result = run(engine, engine.submit_load(parts))
-        assert result.ok and torch.equal(buffer, saved)
+        assert_load_restores(engine, parts, buffer, canonical, ids)
         engine.check_integrity()
     cpu.check_integrity()
 
@@ -130,23 +156,16 @@ def test_a_load_reads_what_the_cpu_tier_lacks_from_the_disk_tier(
     mode: dict[str, object],
 ) -> None:
     _, buffer, canonical = caches
-    cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
-    disk = DiskTier(DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=16 << 20))
-    store = TieredStore([cpu, disk])
-    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
+    cpu, disk, store = cpu_and_disk(tmp_path)
     ids = random.Random(2).sample(range(1, NUM_BLOCKS), 12)
-    with TransferEngine(canonical, store, config) as engine:  # type: ignore[arg-type]
+    with in_place_engine(canonical, store, mode) as engine:
         parts = [TransferPart(0, ids, keys("d", 0, ids))]
         assert run(engine, engine.submit_store(parts)).ok
         assert store.flush(30)
         assert all(disk.contains_many(keys("d", 0, ids)))
         gone = ids[::2]  # dropped from the CPU tier: only the disk tier has them
         assert cpu.delete_many(keys("d", 0, gone)) == len(gone)
-        saved = buffer.clone()
-        for t in canonical.tensors:  # type: ignore[attr-defined]
-            t[ids] = 0
-        result = run(engine, engine.submit_load(parts))
-        assert result.ok and torch.equal(buffer, saved)
+        assert_load_restores(engine, parts, buffer, canonical, ids)
         assert disk.stats().gets == len(gone), "only what the CPU tier lacks is read from disk"
         # A block neither tier holds fails alone, and its KV is untouched.
         missing = [b for b in range(1, NUM_BLOCKS) if b not in ids][:2]
@@ -192,8 +211,7 @@ def test_a_failing_tier_fails_the_store_never_the_caller(
     too, and neither raises into the engine's thread."""
     _, buffer, canonical = caches
     cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
-    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
-    with TransferEngine(canonical, TieredStore([cpu]), config) as engine:  # type: ignore[arg-type]
+    with in_place_engine(canonical, TieredStore([cpu]), mode) as engine:
         cpu.close()
         parts = [TransferPart(0, [1, 2, 3], keys("f", 0, [1, 2, 3]))]
         result = run(engine, engine.submit_store(parts))
@@ -213,23 +231,16 @@ def test_blocks_the_cpu_tier_has_no_room_for_still_reach_the_disk_tier(
     tiered store's put, so the disk tier gets every block and every block reads back."""
     model_groups, buffer, canonical = caches
     block_bytes = model_groups.groups[0].block_bytes
-    cpu = CpuTier(CpuConfig(capacity_bytes=4 * block_bytes, pin_memory=False))
-    disk = DiskTier(DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=16 << 20))
-    store = TieredStore([cpu, disk])
-    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
+    cpu, disk, store = cpu_and_disk(tmp_path, cpu_bytes=4 * block_bytes)
     ids = list(range(1, 13))
     parts = [TransferPart(0, ids, keys("big", 0, ids))]
-    with TransferEngine(canonical, store, config) as engine:  # type: ignore[arg-type]
+    with in_place_engine(canonical, store, mode) as engine:
         result = run(engine, engine.submit_store(parts))
         assert result.ok and result.ok_block_ids[0] == tuple(ids)
         assert store.flush(30)
         assert all(disk.contains_many(keys("big", 0, ids))), "every block reached the disk"
         assert 0 < sum(cpu.contains_many(keys("big", 0, ids))) <= 4
-        saved = buffer.clone()
-        for t in canonical.tensors:  # type: ignore[attr-defined]
-            t[ids] = 0
-        assert run(engine, engine.submit_load(parts)).ok
-        assert torch.equal(buffer, saved)
+        assert_load_restores(engine, parts, buffer, canonical, ids)
         engine.check_integrity()
     store.check_integrity()
     store.close()
@@ -245,13 +256,10 @@ def test_a_load_part_reads_only_the_tier_it_names(
     its memory and never reads the disk, so a block only on disk fails."""
     model_groups, buffer, canonical = caches
     block_bytes = model_groups.groups[0].block_bytes
-    cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
-    disk = DiskTier(DiskConfig(path=str(tmp_path / "disk"), capacity_bytes=16 << 20))
-    store = TieredStore([cpu, disk])
-    config = TransferConfig(staging_bytes=1 << 20, **mode)  # type: ignore[arg-type]
+    cpu, disk, store = cpu_and_disk(tmp_path)
     ids = [3, 5, 8, 13]
     stored = keys("n", 0, ids)
-    with TransferEngine(canonical, store, config) as engine:  # type: ignore[arg-type]
+    with in_place_engine(canonical, store, mode) as engine:
         assert run(engine, engine.submit_store([TransferPart(0, ids, stored)])).ok
         assert store.flush(30) and all(disk.contains_many(stored))
         # The CPU tier now holds other bytes under the same keys: the bytes loaded name
@@ -259,13 +267,11 @@ def test_a_load_part_reads_only_the_tier_it_names(
         assert cpu.delete_many(stored) == len(ids)
         other = [np.full(block_bytes, 7, np.uint8) for _ in ids]
         assert cpu.put_many(stored, other) == [PutStatus.OK] * len(ids)
-        saved = buffer.clone()
-        for t in canonical.tensors:  # type: ignore[attr-defined]
-            t[ids] = 0
         cpu_gets, disk_gets = cpu.stats().gets, disk.stats().gets
         from_disk = [TransferPart(0, ids, stored, tier_index=1)]
-        assert run(engine, engine.submit_load(from_disk)).ok
-        assert torch.equal(buffer, saved), "every block came from the disk tier"
+        assert_load_restores(
+            engine, from_disk, buffer, canonical, ids, "every block came from the disk tier"
+        )
         assert disk.stats().gets == disk_gets + len(ids) and cpu.stats().gets == cpu_gets
         from_cpu = [TransferPart(0, ids, stored, tier_index=0)]
         assert run(engine, engine.submit_load(from_cpu)).ok

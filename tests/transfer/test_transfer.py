@@ -9,6 +9,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -50,6 +51,7 @@ from hybridkv.transfer import (
     TransferPart,
 )
 from hybridkv.transfer.staging import PHASE_BYTES, STAGING_ALIGN_BYTES
+from tests.support.errors import assert_names_every_problem
 from tests.support.kv_caches import VllmAllocate, qwen_next_like, real_vllm_allocator
 
 pytestmark = pytest.mark.timeout(120)
@@ -275,7 +277,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def wipe(kv: dict[str, torch.Tensor], value: int = 0x5A) -> None:
+WIPED = 0x5A
+
+
+def wipe(kv: dict[str, torch.Tensor], value: int = WIPED) -> None:
     for t in kv.values():
         t.view(torch.uint8).fill_(value)
 
@@ -286,6 +291,11 @@ def store_then_wipe(
     """Store the blocks ``ids`` name, then wipe the KV cache: only a load brings them back."""
     assert run_job(engine, engine.submit_store(parts_for(ids))).ok
     wipe(kv)
+
+
+def still_wiped(kv: dict[str, torch.Tensor]) -> bool:
+    """Whether every cache still holds only the bytes ``wipe`` wrote: nothing was loaded."""
+    return all(bool((t.view(torch.uint8) == WIPED).all()) for t in kv.values())
 
 
 def run_job(engine: TransferEngine, job_id: JobId | None) -> JobResult:
@@ -329,6 +339,20 @@ def make_engine(
 ) -> TransferEngine:
     config = TransferConfig(**{"staging_bytes": 1 << 20, **cfg})  # type: ignore[arg-type]
     return TransferEngine(canonicalize(kv_caches, model_groups), tier, config)
+
+
+@contextmanager
+def stored_then_wiped(
+    tier: Tier, storage: str, seed: int, per_group: int
+) -> Iterator[tuple[TransferEngine, dict[str, torch.Tensor], list[list[int]]]]:
+    """An engine over random ``ALL_KINDS`` caches in ``storage`` that stored the blocks
+    ``ids`` names, then had its caches wiped: only a load brings them back."""
+    kv = build(ALL_KINDS, storage)
+    fill_random(kv, seed=seed)
+    ids = pool_block_ids(ALL_KINDS, seed=seed + 1, per_group=per_group)
+    with make_engine(kv, ALL_KINDS, tier) as engine:
+        store_then_wipe(engine, kv, ids)
+        yield engine, kv, ids
 
 
 # ---------------------------------------------------------------- round trips
@@ -497,15 +521,11 @@ class ShortTier(MemoryTier):
 
 def test_a_tier_answering_the_wrong_number_of_statuses_fails_the_job() -> None:
     tier = ShortTier()
-    kv = build(ALL_KINDS, "block_major")
-    fill_random(kv, seed=19)
-    ids = pool_block_ids(ALL_KINDS, seed=20, per_group=2)
-    with make_engine(kv, ALL_KINDS, tier) as engine:
-        store_then_wipe(engine, kv, ids)
+    with stored_then_wiped(tier, "block_major", seed=19, per_group=2) as (engine, kv, ids):
         result = run_job(engine, engine.submit_load(parts_for(ids)))
         assert result.num_failed == 8
         assert "returned 7 statuses for 8 keys" in (result.detail or "")
-        assert all(bool((t.view(torch.uint8) == 0x5A).all()) for t in kv.values())
+        assert still_wiped(kv)
         assert_idle(engine, tier)
 
 
@@ -537,12 +557,7 @@ def test_backpressure_returns_none_and_recovers(tier: MemoryTier) -> None:
 
 
 def test_load_past_its_timeout_fails_and_its_late_bytes_are_dropped(tier: MemoryTier) -> None:
-    model_groups = ALL_KINDS
-    kv = build(model_groups, "block_major")
-    fill_random(kv, seed=11)
-    ids = pool_block_ids(model_groups, seed=12, per_group=3)
-    with make_engine(kv, model_groups, tier) as engine:
-        store_then_wipe(engine, kv, ids)
+    with stored_then_wiped(tier, "block_major", seed=11, per_group=3) as (engine, kv, ids):
         tier.hold()
         job = engine.submit_load(parts_for(ids), timeout_s=0.05)
         assert tier.entered.wait(10)  # the tier call is running
@@ -554,17 +569,12 @@ def test_load_past_its_timeout_fails_and_its_late_bytes_are_dropped(tier: Memory
         tier.gate.set()
         assert_idle(engine, tier)
         assert engine.poll_finished() == []  # reported once
-        assert all(bool((t.view(torch.uint8) == 0x5A).all()) for t in kv.values())
+        assert still_wiped(kv)
         assert engine.stats().timeouts == 1
 
 
 def test_cancel_queued_and_running_jobs(tier: MemoryTier) -> None:
-    model_groups = ALL_KINDS
-    kv = build(model_groups, "layer_major")
-    fill_random(kv, seed=13)
-    ids = pool_block_ids(model_groups, seed=14, per_group=2)
-    with make_engine(kv, model_groups, tier) as engine:
-        store_then_wipe(engine, kv, ids)
+    with stored_then_wiped(tier, "layer_major", seed=13, per_group=2) as (engine, kv, ids):
         tier.hold()
         running = engine.submit_load(parts_for(ids))
         assert running is not None and tier.entered.wait(10)
@@ -580,7 +590,7 @@ def test_cancel_queued_and_running_jobs(tier: MemoryTier) -> None:
         )
         tier.gate.set()
         assert_idle(engine, tier)
-        assert all(bool((t.view(torch.uint8) == 0x5A).all()) for t in kv.values())
+        assert still_wiped(kv)
         assert tier.num_calls == 2  # the queued load never reached the tier
         assert engine.stats().cancels == 2
 
@@ -1084,13 +1094,11 @@ def test_regions_stay_parked_while_the_tier_may_touch_staging() -> None:
 def test_transfer_config_names_every_bad_setting() -> None:
     with pytest.raises(ValueError) as info:
         TransferConfig(staging_bytes=0, num_workers=True, load_timeout_s=-1.0, pin_memory=1)  # type: ignore[arg-type]
-    message = str(info.value)
-    assert message.startswith("invalid TransferConfig: ")
-    for fragment in (
+    bad_settings = [
         "staging_bytes=0: must be greater than 0",
         "num_workers=True: must be a valid integer",
         "load_timeout_s=-1.0: must be greater than 0",
         "pin_memory=1: must be a valid boolean",
-    ):
-        assert fragment in message, (fragment, message)
+    ]
+    assert_names_every_problem(info, "invalid TransferConfig: ", bad_settings)
     assert TransferConfig(load_timeout_s=None, store_timeout_s=5).store_timeout_s == 5

@@ -22,7 +22,7 @@ from hybridkv.tiers.disk.segments import PAGE, SLOT_BYTES, Geometry, RecordInfo,
 from hybridkv.tiers.disk.tier import DiskTierInUse, FsyncPolicy
 from tests.support.corrupt import flip_payload_byte
 from tests.support.disk import disk_tier, get_one, key, payload, segment_bytes
-from tests.support.threads import run_on_threads
+from tests.support.threads import random_calls_on_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -525,33 +525,7 @@ def test_threads_under_eviction_pressure_keep_index_and_files_consistent(
 ) -> None:
     sizes = [1000, 5000, 20_000]
     tier = disk_tier(tmp_path, capacity_bytes=160_000, segment_bytes=40_000)
-    errors: list[str] = []
-
-    def work(seed: int) -> None:
-        rng = random.Random(seed)
-        for _ in range(150):
-            i = rng.randrange(40)
-            k, n = key(i), sizes[i % 3]
-            op = rng.random()
-            if op < 0.4:
-                put = tier.put_many([k], [payload(k, n)])[0]
-                if put not in (PutStatus.OK, PutStatus.EXISTS, PutStatus.FULL):
-                    errors.append(f"put {k}: {put}")
-            elif op < 0.8:
-                status, out = get_one(tier, k, n)
-                if status is GetStatus.OK and not np.array_equal(out, payload(k, n)):
-                    errors.append(f"wrong bytes for {k}")
-                elif status not in (GetStatus.OK, GetStatus.MISS):
-                    errors.append(f"get {k}: {status}")
-            elif op < 0.85:
-                tier.contains_many([k, key(i + 1)])
-            elif op < 0.9:
-                tier.check_integrity()  # holds while other threads put and get
-            else:
-                tier.delete_many([k])
-
-    run_on_threads(work, num_threads=8)
-    assert errors == []
+    assert random_calls_on_threads(tier, key, payload, sizes, num_calls=150) == []
     assert tier.stats().evictions > 0
     assert temp_files(tmp_path) == []
     tier.check_integrity()

@@ -60,18 +60,6 @@ def pool() -> Iterator[LocalPool]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def raw(pool: LocalPool) -> Iterator[Any]:
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    assert (
-        store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MIB, "tcp", "", pool.master_address) == 0
-    )
-    yield store
-    store.close()
-
-
 def make_tier(pool: LocalPool, **options: Any) -> MooncakeTier:
     options = {"op_timeout_s": 1.0, "retry_interval_s": 0.2, **options}
     return MooncakeTier(

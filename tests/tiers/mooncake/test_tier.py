@@ -32,6 +32,7 @@ from tests.support.tier_data import (
     check_stored_value_is_header_then_payload,
     new_keys,
     payloads,
+    put_new,
     round_trip_test,
 )
 
@@ -50,18 +51,6 @@ def tier(pool: LocalPool) -> Iterator[MooncakeTier]:
     config = MooncakeConfig(master_address=pool.master_address, local_buffer_bytes=2 * MIB)
     with MooncakeTier(config) as built:
         yield built
-
-
-@pytest.fixture(scope="module")
-def raw(pool: LocalPool) -> Iterator[Any]:
-    """A plain Mooncake client, for writing values behind the tier's back."""
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MIB, "tcp", "", pool.master_address)
-    assert rc == 0
-    yield store
-    store.close()
 
 
 def make_tier(pool: LocalPool, **options: Any) -> MooncakeTier:
@@ -434,9 +423,7 @@ def test_paced_stores_past_capacity_evict_the_least_recently_used() -> None:
 
 def test_killed_daemon_costs_hits_not_time_and_recovers() -> None:
     with MooncakePool(segment_bytes=64 * MIB) as fault_pool, make_tier(fault_pool) as tier:
-        keys = new_keys(4)
-        buffers = payloads([64 << 10] * 4, seed=5)
-        assert tier.put_many(keys, buffers) == [PutStatus.OK] * 4
+        keys, buffers = put_new(tier, [64 << 10] * 4, seed=5)
         fault_pool.kill_daemon()
         outs = [np.zeros(64 << 10, dtype=np.uint8) for _ in keys]
         errors_before = tier.stats().errors
@@ -479,9 +466,7 @@ def test_tier_idle_after_a_daemon_outage_stores_at_once_when_it_is_back() -> Non
 
 def test_killed_master_answers_misses_at_once_and_recovers() -> None:
     with MooncakePool(segment_bytes=64 * MIB) as fault_pool, make_tier(fault_pool) as tier:
-        keys = new_keys(3)
-        buffers = payloads([10_000] * 3, seed=6)
-        assert tier.put_many(keys, buffers) == [PutStatus.OK] * 3
+        keys, buffers = put_new(tier, [10_000] * 3, seed=6)
         fault_pool.kill_master()
         found, seconds = timed(lambda: tier.contains_many(keys))
         assert found == [False] * 3 and seconds < OP_TIMEOUT_S + 1.0
@@ -505,9 +490,7 @@ def test_killed_master_answers_misses_at_once_and_recovers() -> None:
 
 def test_hung_master_costs_one_timeout_then_recovers() -> None:
     with MooncakePool(segment_bytes=64 * MIB) as fault_pool, make_tier(fault_pool) as tier:
-        keys = new_keys(2)
-        buffers = payloads([10_000] * 2, seed=7)
-        assert tier.put_many(keys, buffers) == [PutStatus.OK] * 2
+        keys, buffers = put_new(tier, [10_000] * 2, seed=7)
         fault_pool.pause(ServerRole.MASTER)
         try:
             check_hung_server_costs_one_timeout(tier, keys, OP_TIMEOUT_S)

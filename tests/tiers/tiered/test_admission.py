@@ -5,6 +5,7 @@ while the disk has room, and always with ``all``, it goes on."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,22 @@ def store_by_put(store: TieredStore, keys: list[StoreKey]) -> None:
     assert store.put_many(keys, [payload(k) for k in keys]) == [PutStatus.OK] * len(keys)
 
 
+StoreBlocks = Callable[[TieredStore, list[StoreKey]], None]
+
+
+@pytest.fixture(params=[store_in_place, store_by_put], ids=["in-place", "put"])
+def store_blocks(request: pytest.FixtureRequest) -> StoreBlocks:
+    """How blocks reach the store: as a transfer writes them, or by put."""
+    blocks_in: StoreBlocks = request.param
+    return blocks_in
+
+
+@pytest.fixture(params=[True, False], ids=["write-back", "sync"])
+def write_back(request: pytest.FixtureRequest) -> bool:
+    """Whether the store writes the later tiers behind the caller or before returning."""
+    return bool(request.param)
+
+
 def on_disk(store: TieredStore, keys: list[StoreKey]) -> list[bool]:
     assert store.flush(30)
     return store.tiers[1].contains_many(keys)
@@ -85,15 +102,12 @@ def assert_reads_back(tier: Tier, keys: list[StoreKey]) -> None:
         assert np.array_equal(buf, payload(k))
 
 
-@pytest.mark.parametrize("write_back", [True, False], ids=["write-back", "sync"])
-@pytest.mark.parametrize("store_blocks", [store_in_place, store_by_put], ids=["in-place", "put"])
 def test_a_block_stored_once_reaches_a_full_disk_only_with_all(
-    tmp_path: Path, store_blocks: object, write_back: bool
+    tmp_path: Path, store_blocks: StoreBlocks, write_back: bool
 ) -> None:
     keys = [key(i) for i in range(8)]
     for admission, expected in ((Admission.ALL, True), (Admission.REUSED, False)):
         store = make_store(tmp_path / admission.value, admission, write_back=write_back)
-        assert callable(store_blocks)
         store_blocks(store, keys)
         assert on_disk(store, keys) == [expected] * 8
         assert store.tiers[0].contains_many(keys) == [True] * 8  # still a hit from the cpu tier
@@ -104,7 +118,6 @@ def test_a_block_stored_once_reaches_a_full_disk_only_with_all(
         store.close()
 
 
-@pytest.mark.parametrize("write_back", [True, False], ids=["write-back", "sync"])
 def test_admitted_blocks_go_on_from_the_first_tier(tmp_path: Path, write_back: bool) -> None:
     store = make_store(tmp_path, Admission.REUSED, write_back=write_back)
     keys = [key(i) for i in range(8)]
@@ -149,14 +162,11 @@ def test_with_all_admit_many_has_nothing_to_do(tmp_path: Path) -> None:
     store.close()
 
 
-@pytest.mark.parametrize("write_back", [True, False], ids=["write-back", "sync"])
-@pytest.mark.parametrize("store_blocks", [store_in_place, store_by_put], ids=["in-place", "put"])
 def test_reused_sends_every_store_on_while_the_disk_has_room(
-    tmp_path: Path, store_blocks: object, write_back: bool
+    tmp_path: Path, store_blocks: StoreBlocks, write_back: bool
 ) -> None:
     keys = [key(i) for i in range(8)]
     store = make_store(tmp_path, Admission.REUSED, write_back=write_back, full=False)
-    assert callable(store_blocks)
     store_blocks(store, keys)
     assert on_disk(store, keys) == [True] * 8
     disk_stats = store.stats_by_tier()["disk"]
@@ -168,7 +178,6 @@ def test_reused_sends_every_store_on_while_the_disk_has_room(
     reopened.close()
 
 
-@pytest.mark.parametrize("write_back", [True, False], ids=["write-back", "sync"])
 def test_admitted_blocks_outlive_a_disk_filling_with_blocks_not_reused(
     tmp_path: Path, write_back: bool
 ) -> None:

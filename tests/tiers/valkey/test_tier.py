@@ -34,6 +34,7 @@ from tests.support.tier_data import (
     check_stored_value_is_header_then_payload,
     new_keys,
     payloads,
+    put_new,
     round_trip_test,
 )
 from tests.support.tls import make_certificates
@@ -208,9 +209,7 @@ test_round_trip_matches_a_dict = round_trip_test(max_object_bytes=200_000)
 
 def test_stats_usage_and_delete(server: LocalPool) -> None:
     with make_tier(server, db=5) as fresh:
-        keys = new_keys(3)
-        buffers = payloads([1000, 2000, 3000])
-        assert fresh.put_many(keys, buffers) == [PutStatus.OK] * 3
+        keys, buffers = put_new(fresh, [1000, 2000, 3000])
         outs = [np.empty_like(buf) for buf in buffers]
         assert fresh.get_many_into(keys, outs) == [GetStatus.OK] * 3
         assert fresh.contains_many([*keys, StoreKey("absent")]) == [True] * 3 + [False]
@@ -329,9 +328,7 @@ def test_password_is_used_and_a_missing_one_fails_at_start() -> None:
 
 def test_killed_server_answers_misses_at_once_and_recovers() -> None:
     with ValkeyServer() as fault_server, make_tier(fault_server) as tier:
-        keys = new_keys(3)
-        buffers = payloads([10_000] * 3, seed=6)
-        assert tier.put_many(keys, buffers) == [PutStatus.OK] * 3
+        keys, buffers = put_new(tier, [10_000] * 3, seed=6)
         fault_server.kill(ServerRole.VALKEY)
         found, seconds = timed(lambda: tier.contains_many(keys))
         assert found == [False] * 3 and seconds < OP_TIMEOUT_S and not tier.healthy
@@ -348,9 +345,7 @@ def test_killed_server_answers_misses_at_once_and_recovers() -> None:
 
 def test_hung_server_costs_one_timeout_then_recovers() -> None:
     with ValkeyServer() as fault_server, make_tier(fault_server) as tier:
-        keys = new_keys(2)
-        buffers = payloads([10_000] * 2, seed=7)
-        assert tier.put_many(keys, buffers) == [PutStatus.OK] * 2
+        keys, buffers = put_new(tier, [10_000] * 2, seed=7)
         fault_server.pause(ServerRole.VALKEY)
         try:
             check_hung_server_costs_one_timeout(tier, keys, OP_TIMEOUT_S)
