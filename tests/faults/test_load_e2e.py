@@ -355,7 +355,10 @@ def test_soak_32_clients_through_the_server(tmp_path: Path, policy: str) -> None
     # The disk fills within seconds: from then on the reuse settings hold stores back.
     assert admitted > 0 and (rejected > 0) == (policy == "reuse"), (admitted, rejected)
     assert mismatches == 0, f"{mismatches} of {len(pairs)} completions differ"
-    assert max(fds) - fds[0] <= 8, series
+    # A leak grows through the run; the descriptors the disk's segments take as it first
+    # fills (the reuse settings fill it later) are there from the first third on.
+    third = max(1, len(fds) // 3)
+    assert max(fds[-third:]) - max(fds[:third]) <= 8, series
     rss_growth = (max(rss) - rss[0]) / rss[0]
     assert rss_growth < RSS_TOLERANCE, f"RSS grew {rss_growth:.1%} after warm-up: {series}"
     record(
