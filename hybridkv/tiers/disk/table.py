@@ -109,14 +109,9 @@ class SegmentTable:
         return self.entries(digest_words(digest), [length])[0]
 
     def segments_at(self, rows: list[int]) -> list[Segment]:
-        """The segments holding the objects of these index rows."""
-        numbers = set(self.index.segment(np.array(rows, np.int64)).tolist())
-        return [s for s in (self._numbered[n] for n in numbers) if s is not None]
-
-    def segments_by_last_row(self, rows: list[int]) -> list[Segment]:
         """The segments holding the objects of these index rows, each once, in the order
-        of the last row each holds: made most recent in that order, the segment of the
-        last row ends the most recent."""
+        of the last row each holds (made most recent in that order, the segment of the
+        last row ends the most recent)."""
         numbers = self.index.segment(np.array(rows, np.int64)).tolist()
         last = {number: i for i, number in enumerate(numbers)}
         ordered = sorted(last, key=last.__getitem__)

@@ -136,7 +136,7 @@ class DiskTier(BookkeepingTier):
         with self._lock:
             self._check_open()
             rows = [row for row in self._table.index.find(digests).tolist() if row >= 0]
-            for segment in self._table.segments_by_last_row(rows):
+            for segment in self._table.segments_at(rows):
                 if self._table.holds(segment):
                     self._table.use(segment)
                     self._dir.touch(segment)
