@@ -17,6 +17,7 @@ breaks the store: the error is logged once, counted, and answered as a miss
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -34,11 +35,10 @@ from hybridkv.tiers.base import (
     check_batch,
 )
 from hybridkv.tiers.selection import Selection
-from hybridkv.tiers.tiered.admission import Admitting
+from hybridkv.tiers.tiered.admission import SlowerAdmission
 from hybridkv.tiers.tiered.changes import ChangeLog, KeyChange
 from hybridkv.tiers.tiered.guard import TierGuard
 from hybridkv.tiers.tiered.in_place import StoreMemory
-from hybridkv.tiers.tiered.room import SlowerRoom
 from hybridkv.tiers.tiered.write_back import WriteBack, WriteBackStats
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def _unique_names(tiers: Sequence[Tier]) -> tuple[str, ...]:
     return tuple(names)
 
 
-class TieredStore(Admitting, Tier):
+class TieredStore(Tier):
     """Several tiers behind the ``Tier`` protocol (see the module docstring for weights).
 
     ``tiers[0]`` takes stores synchronously (normally the CPU tier); with
@@ -87,8 +87,6 @@ class TieredStore(Admitting, Tier):
         self.selection = selection
         self.promote = promote
         self.admission = admission
-        self._sends_all = admission is Admission.ALL and len(self.tiers) > 1
-        self._plain_lru = False
         self.load_weight = min(tier.load_weight for tier in self.tiers)
         self._read_order = sorted(range(len(tiers)), key=lambda i: (tiers[i].load_weight, i))
         takers = [i for i, tier in enumerate(self.tiers) if tier.accepts_promotions]
@@ -97,19 +95,9 @@ class TieredStore(Admitting, Tier):
         self._hit_tokens = [0] * len(tiers)
         self._pending_loads = [0] * len(tiers)
         self._guard = TierGuard(name, self.tier_names, logger)
-        self._room = SlowerRoom(self.tiers, self._guard, queued=self._bytes_queued)
-        self._num_admitted = 0
-        self._reused_pending = set()
-        self._num_rejected = 0
-        self._num_lost = 0
         self._lock = threading.Lock()
         self._changes: ChangeLog | None = None
         self._first_memory = self.tiers[0].memory()
-        self._memory = (
-            None
-            if self._first_memory is None
-            else StoreMemory(self._first_memory, self._send_on, send_on=self._sends_all)
-        )
         self._write_back = (
             WriteBack(
                 self._write_lower,
@@ -120,9 +108,34 @@ class TieredStore(Admitting, Tier):
             if write_back and len(tiers) > 1
             else None
         )
+        sends_all = admission is Admission.ALL and len(self.tiers) > 1
+        self._memory = (
+            None
+            if self._first_memory is None
+            else StoreMemory(self._first_memory, self._committed, send_on=sends_all)
+        )
+        self._admission = SlowerAdmission(
+            self.tiers,
+            self._guard,
+            sends_all=sends_all,
+            memory=self._memory,
+            write_back=self._write_back,
+            read_first=functools.partial(self._get_from, 0),
+            write_lower=self._write_lower,
+        )
+        """What goes on past the first tier under ``admission``, and the counts of it."""
 
-    def _bytes_queued(self) -> int:
-        return 0 if self._write_back is None else self._write_back.queued_bytes()
+    def _borrow_limit(self) -> int | None:
+        """Bytes of the first tier the write-back may keep borrowed: half of it, so the
+        tier can still evict for new stores while the slower tiers lag (None: no limit
+        known)."""
+        usage = self._guard.call(0, "usage", None, self.tiers[0].usage)
+        capacity = None if usage is None else usage.capacity_bytes
+        return None if capacity is None else capacity // 2
+
+    def _release_first(self, keys: list[StoreKey]) -> None:
+        if self._first_memory is not None:
+            self._guard.call(0, "release", None, self._first_memory.release_many, keys)
 
     # Lookups -----------------------------------------------------------------
 
@@ -228,12 +241,9 @@ class TieredStore(Admitting, Tier):
         """
         check_batch(keys, buffers, checksums)
         first = self._put_into(0, keys, buffers, checksums)
-        room = not self._sends_all and (
-            self._plain_lru or self._room.take(sum(len(buffer) for buffer in buffers))
-        )
-        if not self._sends_all and not room:
+        if not self._admission.goes_on(sum(len(buffer) for buffer in buffers)):
             results = list(first)
-            self._count_sent_on(0, results.count(PutStatus.OK))
+            self._admission.count_sent_on(0, results.count(PutStatus.OK))
         elif self._write_back is not None:
             todo = [j for j, status in enumerate(first) if status is not PutStatus.EXISTS]
             queued = self._write_back.submit_many(
@@ -243,7 +253,7 @@ class TieredStore(Admitting, Tier):
             for j, was_queued in zip(todo, queued, strict=True):
                 if was_queued and results[j] is not PutStatus.OK:
                     results[j] = PutStatus.OK
-            self._count_sent_on(len(todo), 0)
+            self._admission.count_sent_on(len(todo), 0)
         else:
             results = list(first)
             for index in range(1, len(self.tiers)):
@@ -252,7 +262,7 @@ class TieredStore(Admitting, Tier):
                     min(a, b, key=_PUT_RANK.__getitem__)
                     for a, b in zip(results, answers, strict=True)
                 ]
-            self._count_sent_on(len(keys), 0)
+            self._admission.count_sent_on(len(keys), 0)
         with self._lock:
             stored = [j for j, status in enumerate(results) if status is PutStatus.OK]
             self._stats.puts += len(stored)
@@ -283,7 +293,7 @@ class TieredStore(Admitting, Tier):
     def _write_lower(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> int:
         """Write-back thread: put into every tier but the first, those admitted as reused
         with ``put_reused_many``; returns failures."""
-        reused = set(self._take_reused(keys))
+        reused = set(self._admission.take_reused(keys))
         parts = [(keys, buffers, False)]
         if reused:
             kept = [j for j, key in enumerate(keys) if key not in reused]
@@ -306,6 +316,25 @@ class TieredStore(Admitting, Tier):
         tiers as ``put_many`` does, without a copy (``tiers.tiered.admission``)."""
         return self._memory
 
+    def _committed(self, keys: list[StoreKey], views: list[Buffer]) -> None:
+        """Objects committed in place in the first tier: count them, then send them on."""
+        with self._lock:
+            self._stats.puts += len(keys)
+            self._stats.put_bytes += sum(len(view) for view in views)
+        self._admission.send_on(keys, views)
+
+    def admit_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> int:
+        """Send blocks held in the first tier on to the slower tiers; returns how many
+        were there to send (``SlowerAdmission.admit_many``)."""
+        return self._admission.admit_many(keys, sizes)
+
+    def use_plain_lru(self, on: bool) -> None:
+        """While ``on`` (``connector.returns``), every store goes on past the first
+        tier, and each tier evicts least recently used first."""
+        self._admission.use_plain_lru(on)
+        for index, tier in enumerate(self.tiers):
+            self._guard.call(index, "plain lru", None, tier.use_plain_lru, on)
+
     def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
         """Passed to every tier (those that evict by recency reorder, see ``Tier.touch_many``)."""
         for index, tier in enumerate(self.tiers):
@@ -315,7 +344,7 @@ class TieredStore(Admitting, Tier):
         """Remove from every tier (and from the write-back queue); returns keys found anywhere."""
         if self._write_back is not None:
             self._write_back.cancel(keys)
-        self._take_reused(keys)
+        self._admission.take_reused(keys)
         present = self.contains_many(keys)
         for index, tier in enumerate(self.tiers):
             self._guard.call(index, "delete", 0, tier.delete_many, keys)
@@ -375,18 +404,20 @@ class TieredStore(Admitting, Tier):
         )
 
     def stats(self) -> TierStats:
+        counts = self._admission.counts()
         with self._lock:
             stats = TierStats(**self._stats.as_dict())
             stats.pending_loads = sum(self._pending_loads)
             stats.errors = self._guard.num_errors()
-            stats.admitted = self._num_admitted * (self.num_tiers - 1)
-            stats.rejected = self._num_rejected * (self.num_tiers - 1)
-            stats.admission_lost = self._num_lost * (self.num_tiers - 1)
+        stats.admitted = counts.num_admitted * (self.num_tiers - 1)
+        stats.rejected = counts.num_rejected * (self.num_tiers - 1)
+        stats.admission_lost = counts.num_lost * (self.num_tiers - 1)
         return stats
 
     def stats_by_tier(self) -> dict[str, TierStats]:
         """Each tier's own counters plus what the store counts for it (hit tokens,
         pending loads, exceptions it caught)."""
+        counts = self._admission.counts()
         result = {}
         for index, (name, tier) in enumerate(zip(self.tier_names, self.tiers, strict=True)):
             own = self._guard.call(index, "stats", None, tier.stats)
@@ -395,9 +426,9 @@ class TieredStore(Admitting, Tier):
                 stats.hit_tokens = self._hit_tokens[index]
                 stats.pending_loads = self._pending_loads[index]
                 stats.errors += self._guard.num_errors(index)
-                if index > 0:
-                    stats.admitted, stats.rejected = self._num_admitted, self._num_rejected
-                    stats.admission_lost = self._num_lost
+            if index > 0:
+                stats.admitted, stats.rejected = counts.num_admitted, counts.num_rejected
+                stats.admission_lost = counts.num_lost
             result[name] = stats
         return result
 
