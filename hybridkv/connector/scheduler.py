@@ -38,7 +38,7 @@ from hybridkv.connector.metadata import (
 from hybridkv.connector.ranks import EngineRanks
 from hybridkv.connector.requests import GroupBlockTable, RequestState
 from hybridkv.connector.search import HitSearch
-from hybridkv.connector.sightings import DEFAULT_SIGHTING_TTL_S, MarksSightings, PoolSightings
+from hybridkv.connector.sightings import DEFAULT_SIGHTING_TTL_S, PoolSightings
 from hybridkv.connector.sources import hit_sources
 from hybridkv.connector.stats import SchedulerStats
 from hybridkv.connector.steps import LookupResult, ScheduledRequest, StateHandoff, StepInput
@@ -47,6 +47,7 @@ from hybridkv.groups import ModelGroups
 from hybridkv.hits import Hit, drafting_groups
 from hybridkv.keys import BlockHash, HashAlgo, RequestBlockHasher
 from hybridkv.tiers.admission import Admission
+from hybridkv.tiers.base import Tier
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class ConnectorScheduler:
         eagle_group_ids: frozenset[int] | None = None,
         admission: Admission = Admission.ALL,
         admission_seen_hashes: int = DEFAULT_SEEN_HASHES,
-        sighting_tier: MarksSightings | None = None,
+        sighting_tier: Tier | None = None,
         sighting_ttl_s: int = DEFAULT_SIGHTING_TTL_S,
         handoff_group_ids: frozenset[int] = frozenset(),
     ) -> None:

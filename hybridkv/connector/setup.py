@@ -24,7 +24,6 @@ from hybridkv.connector.exit_flush import flush_at_exit
 from hybridkv.connector.lookup import KeyLookup, LookupView, TierSlice
 from hybridkv.connector.ranks import EngineRanks
 from hybridkv.connector.scheduler import ConnectorScheduler
-from hybridkv.connector.sightings import MarksSightings
 from hybridkv.connector.worker import ConnectorWorker
 from hybridkv.groups import ModelGroups
 from hybridkv.groups.kinds import rules_for
@@ -197,12 +196,13 @@ def build_scheduler(
     return scheduler, opened
 
 
-def sighting_tier(config: ConnectorConfig, tiers: Sequence[object]) -> MarksSightings | None:
+def sighting_tier(config: ConnectorConfig, tiers: Sequence[object]) -> Tier | None:
     """The first of one rank's tiers that can mark hashes seen for other engines
-    (``connector.sightings``); None with ``admission_sighting_ttl_s`` 0."""
+    (``Tier.marks_sightings``, ``connector.sightings``); None with
+    ``admission_sighting_ttl_s`` 0."""
     if config.admission_sighting_ttl_s == 0:
         return None
-    return next((tier for tier in tiers if isinstance(tier, MarksSightings)), None)
+    return next((t for t in tiers if isinstance(t, Tier) and t.marks_sightings), None)
 
 
 def build_worker(

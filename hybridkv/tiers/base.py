@@ -198,6 +198,9 @@ class Tier(abc.ABC):
     local_usage: ClassVar[bool] = False
     """``usage`` and ``evicts_reused`` answer from this process's memory, with no
     round trip to a server (``tiers.tiered.room`` asks for every batch)."""
+    marks_sightings: ClassVar[bool] = False
+    """A shared tier whose ``sight_many`` marks keys for other engines to see
+    (``connector.sightings``)."""
     num_tiers: int = 1
     """Tiers a read may name (``get_many_from``); a stack of tiers has several."""
 
@@ -265,6 +268,14 @@ class Tier(abc.ABC):
         """While ``on``, evict least recently used first, whatever was noted reused or
         read (most first sightings come back: ``connector.returns``); off, by the
         tier's own rule again. The default ignores it."""
+
+    def sight_many(self, keys: Sequence[StoreKey], ttl_s: int) -> list[bool]:
+        """Mark each key for ``ttl_s`` seconds; True for those already marked (by any
+        client). An unanswered key is False. Only a tier that ``marks_sightings`` can."""
+        raise NotImplementedError(
+            f"tier {self.name} cannot mark sightings (marks_sightings is False); "
+            "mark them in a tier that can (valkey)"
+        )
 
     def evicts_reused(self, num_bytes: int) -> bool | None:
         """Whether storing ``num_bytes`` more, not admitted as reused, would evict (or be

@@ -14,11 +14,12 @@ import pytest
 import redis
 
 from hybridkv.connector.config import ConnectorConfig
-from hybridkv.connector.setup import EngineFacts, build_scheduler
+from hybridkv.connector.setup import EngineFacts, build_scheduler, sighting_tier
 from hybridkv.connector.sightings import PoolSightings
 from hybridkv.connector.stats import SchedulerStats
 from hybridkv.groups import GroupKind, ModelGroups
 from hybridkv.keys import BlockHash, KeyBuilder, KeyNamespace, RequestBlockHasher
+from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.valkey.config import ValkeyConfig
 from hybridkv.tiers.valkey.tier import ValkeyTier
 from hybridkv.tools.pool import LocalPool
@@ -155,6 +156,28 @@ def test_marks_are_named_by_model_and_groups_not_by_rank(pool: LocalPool) -> Non
     assert np.array_equal(again.sight([*hashes[:3], hashes[-1]]), [True] * 4)
     assert again.stats.pool_sightings == 4 and again.stats.pool_sightings_before == 4
     tier.close()
+
+
+def test_only_a_tier_that_marks_sightings_is_picked_or_taken(
+    tmp_path: Path, pool: LocalPool
+) -> None:
+    """``sighting_tier`` passes over tiers without ``marks_sightings`` (and views that are
+    not tiers); ``PoolSightings`` refuses one, naming it."""
+    groups = make_groups((SW, FULL), block_size=BLOCK_SIZE)
+    config = pool_config(tmp_path, pool, ttl_s=60)
+    builder = KeyBuilder(groups, KeyNamespace.for_groups(groups))
+    cpu = CpuTier(CpuConfig(capacity_bytes=1 << 20, pin_memory=False))
+    valkey = ValkeyTier(ValkeyConfig(port=pool.valkey_port, op_timeout_s=2.0))
+    try:
+        assert sighting_tier(config, [None, cpu, valkey]) is valkey
+        assert sighting_tier(config, [cpu]) is None
+        with pytest.raises(ValueError, match="tier cpu cannot mark sightings"):
+            PoolSightings(cpu, builder, ttl_s=60, stats=SchedulerStats())
+        with pytest.raises(NotImplementedError, match="tier cpu cannot mark sightings"):
+            cpu.sight_many(["m|f|seen|00"], 60)
+    finally:
+        cpu.close()
+        valkey.close()
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,8 @@ class ValkeyTier(Tier):
     ``maxmemory``, summed over shards): it includes other clients' keys.
     """
 
+    marks_sightings = True
+
     def __init__(self, config: ValkeyConfig, *, name: str = "valkey") -> None:
         try:
             import redis
