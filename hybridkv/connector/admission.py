@@ -19,7 +19,7 @@ import numpy as np
 
 from hybridkv.connector.metadata import BlockRef, StorePlan
 from hybridkv.connector.requests import RequestState
-from hybridkv.connector.returns import ReturnShare
+from hybridkv.connector.returns import KeptReturns, ReturnShare
 from hybridkv.connector.seen import NOT_SEEN, SeenHashes
 from hybridkv.connector.sightings import PoolSightings
 from hybridkv.connector.steps import ScheduledRequest
@@ -56,6 +56,12 @@ class AdmissionTracker:
         """Where hashes this engine sees for the first time are marked for other engines."""
         self.returns = ReturnShare(model_groups.hash_block_size)
         """Whether first sightings come back: if most do, the tiers go plain LRU."""
+        self.kept = KeptReturns()
+        """Whether the tiers keep what comes back: if most is lost, the slower tiers
+        keep what they hold."""
+        self.held = SeenHashes(max(1, capacity // 8))
+        """Hashes first seen while the slower tiers kept what they held: what they did
+        not take."""
 
     @classmethod
     def if_needed(
@@ -80,6 +86,10 @@ class AdmissionTracker:
         chain = st.hasher.block_hashes
         new = chain[st.num_noted :]
         before = self.seen.sight(new, SEEN, RETURNED)  # a second sighting: RETURNED
+        if self.keep_slower and len(new):
+            first_now = [new[k] for k in np.flatnonzero(before == NOT_SEEN)]
+            if first_now:
+                self.held.raise_to(first_now, SEEN)
         returned = before == SEEN
         if self.sightings is not None:
             first = np.flatnonzero(before == NOT_SEEN)
@@ -98,6 +108,24 @@ class AdmissionTracker:
         """Most first sightings come back: the tiers take every store and evict by
         recency alone (``connector.returns``)."""
         return self.returns.plain_lru
+
+    @property
+    def keep_slower(self) -> bool:
+        """Most returns lately were lost: the slower tiers take only free room."""
+        return self.kept.keep_slower and not self.plain_lru
+
+    def looked_up(self, st: RequestState, engine_tokens: int, hit_tokens: int) -> None:
+        """The tiers were asked for the request: once per request with a shared prefix
+        beyond the engine's own cache, whether they hit any of it."""
+        shared_tokens = st.shared_hashes * self.model_groups.hash_block_size
+        if st.return_judged or shared_tokens <= engine_tokens:
+            return
+        st.return_judged = True
+        if hit_tokens > engine_tokens:
+            self.kept.judged(lost=False, held_back=False)
+            return
+        last = st.hasher.block_hashes[st.shared_hashes - 1]
+        self.kept.judged(lost=True, held_back=bool(self.held.levels([last])[0]))
 
     def loaded(self, st: RequestState, num_tokens: int) -> None:
         """The request loads its first ``num_tokens`` tokens from the tiers."""

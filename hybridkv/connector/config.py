@@ -100,7 +100,9 @@ class ConnectorConfig:
                 "again, every group's blocks of a prefix that two requests reached (looked "
                 "up, computed or loaded); the rest stays in the first tier until evicted "
                 "there; while most blocks seen once are seen again, every tier goes plain "
-                "LRU instead"
+                "LRU instead; while most prefixes seen again were lost by the tiers (a cycle "
+                "longer than they hold), the slower tiers keep what they hold, taking only "
+                "free room (admitted blocks may replace admitted ones)"
             )
         ),
     ] = Admission.ALL

@@ -105,6 +105,9 @@ class ConnectorMetadata:
     plain_lru: bool = False
     """With ``Admission.REUSED``: most first sightings came back lately, so the tiers
     take every store and evict by recency alone (``connector.returns``)."""
+    keep_slower: bool = False
+    """With ``Admission.REUSED``: most returning prefixes were lost lately, so the slower
+    tiers keep what they hold (``connector.returns.KeptReturns``)."""
 
     @property
     def is_empty(self) -> bool:

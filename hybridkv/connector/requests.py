@@ -57,6 +57,9 @@ class RequestState:
     """Its chain's first hashes another request reached too (or it loaded)."""
     admitted_hashes: int = 0
     """Blocks ending within its first hashes were sent to be admitted."""
+    return_judged: bool = False
+    """Whether the tiers were found to keep its shared prefix or not
+    (``connector.returns.KeptReturns``)."""
     engine_cached_tokens: int = 0
     """Tokens the engine's own cache held at its last lookup."""
     planned_tokens: int = 0

@@ -11,6 +11,11 @@ time and those seen for the second, and once the second reach ``ENTER`` of the
 first the tiers go plain LRU (every store sent on, nothing admitted, no
 tier keeping marked or read blocks over others), until they fall to ``LEAVE``.
 
+It also judges whether the tiers kept what came back (``KeptReturns``): a
+prefix seen twice and lost there was evicted before it returned, as a cycle of
+prompts longer than the tiers evicts each just before it comes back. While
+most returns are lost, the slower tiers keep what they hold.
+
 In ``benchmarks/bench_eviction.py`` the share stays under 0.25 on the mixed
 workload and passes 0.6 about a third of the way into long-doc-qa (question
 tails are the first sightings there that never come back).
@@ -64,3 +69,50 @@ class ReturnShare:
             self.plain_lru = True
         elif self.share <= LEAVE:
             self.plain_lru = False
+
+
+KEPT_WINDOW = 32
+"""Returning requests over which the kept share decays by a factor e."""
+KEEP_ENTER, KEEP_LEAVE = 0.5, 0.25
+"""Share of returning requests the tiers had lost at which the slower tiers keep what
+they hold, and back."""
+
+
+class KeptReturns:
+    """Whether the tiers still held what came back: the share of requests whose prefix
+    another request reached before (``RequestState.shared_hashes``) and that the tiers
+    hit nothing of beyond the engine's own cache.
+
+    Seen twice yet lost means what came back was evicted before it did: under
+    recency a workload whose reuse distance exceeds the tiers evicts each prefix just
+    before it comes back (a cyclic scan), and every write pushes out the next one
+    to come. While most returns are lost, the slower tiers keep what they hold:
+    stores go on only into free room, admitted blocks only where they evict nothing
+    but blocks admitted before, so what they hold is hit when it comes back; once
+    most returns are found again (in the first tier, or those kept), or are lost
+    because keeping held them back, they go back to their rule.
+    """
+
+    def __init__(self) -> None:
+        self._keep = 1.0 - 1.0 / KEPT_WINDOW
+        self.returned = 0.0
+        """Returning requests (decayed)."""
+        self.lost = 0.0
+        """Of them, those the tiers hit nothing of (decayed)."""
+        self.keep_slower = False
+        """The slower tiers take only what fits in their free room."""
+
+    @property
+    def share(self) -> float:
+        return self.lost / self.returned if self.returned else 0.0
+
+    def judged(self, *, lost: bool, held_back: bool) -> None:
+        """A request came back: whether the tiers hit nothing of its shared prefix, and
+        whether that prefix was first seen while the slower tiers kept what they held (so
+        lost because they did not take it: keeping is what lost it)."""
+        self.returned = self.returned * self._keep + 1
+        self.lost = self.lost * self._keep + (lost and not held_back)
+        if self.share >= KEEP_ENTER:
+            self.keep_slower = True
+        elif self.share <= KEEP_LEAVE:
+            self.keep_slower = False

@@ -158,6 +158,8 @@ class ConnectorScheduler:
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(token_ids) - num_computed_tokens
         hit, tier_index = self._find_hit(st, max_hit_tokens)
+        if self.admission is not None:
+            self.admission.looked_up(st, num_computed_tokens, hit.num_tokens)
         if hit.num_tokens <= num_computed_tokens:
             return LookupResult(0, False)
         st.hit, st.hit_base_tokens, st.hit_tier = hit, num_computed_tokens, tier_index
@@ -259,6 +261,7 @@ class ConnectorScheduler:
             written_block_ids=step.written_block_ids(self.model_groups),
             admitted=tuple(admitted),
             plain_lru=self.admission is not None and self.admission.plain_lru,
+            keep_slower=self.admission is not None and self.admission.keep_slower,
         )
         self._loads, self._cancelled = [], set()
         return meta

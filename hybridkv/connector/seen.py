@@ -51,6 +51,14 @@ class SeenHashes:
     def nbytes(self) -> int:
         return self._table.nbytes + self._levels.nbytes + self._ring.nbytes
 
+    def levels(self, hashes: Sequence[BlockHash]) -> Levels:
+        """Each hash's level (``NOT_SEEN`` if not remembered); changes nothing."""
+        rows = self._table.find(digest_words(b"".join(h[:16] for h in hashes)))
+        known = rows != NONE
+        out = np.zeros(len(hashes), np.uint8)
+        out[known] = self._levels[rows[known]]
+        return out
+
     def raise_to(self, hashes: Sequence[BlockHash], level: int) -> Levels:
         """Each hash's level before the call (``NOT_SEEN`` if not remembered); then each
         is remembered at ``level`` or above."""

@@ -105,6 +105,7 @@ class ConnectorWorker:
         """Keys of store jobs in flight (a load of them waits)."""
         self._admission = WorkerAdmission(model_groups, self.keys, store)
         self._plain_lru = False
+        self._keep_slower = False
         self._report = ReportBuilder(self.rank.index)
         block_sizes = [group.block_size for group in model_groups.groups]
         weighs = eviction_order is EvictionOrder.WORTH
@@ -189,13 +190,21 @@ class ConnectorWorker:
                 out.append(t.picked(gone))
         return out
 
-    def admit(self, refs: Sequence[BlockRef], *, plain_lru: bool = False) -> None:
-        """Send these stored blocks on to the slower tiers (``Admission.REUSED``): now,
-        or those still being stored once their store is done. ``plain_lru``: the tiers
-        take every store and evict by recency alone, for now (``connector.returns``)."""
+    def use_modes(self, *, plain_lru: bool = False, keep_slower: bool = False) -> None:
+        """The scheduler's modes for this step, set before its stores (``Admission.REUSED``):
+        ``plain_lru``, the tiers take every store and evict by recency alone; ``keep_slower``,
+        the slower tiers keep what they hold (``connector.returns``). Set before the
+        stores: a store the first tier commits at once goes on by the step's mode."""
         if plain_lru != self._plain_lru:
             self._plain_lru = plain_lru
             self.store.use_plain_lru(plain_lru)
+        if keep_slower != self._keep_slower:
+            self._keep_slower = keep_slower
+            self.store.keep_slower(keep_slower)
+
+    def admit(self, refs: Sequence[BlockRef]) -> None:
+        """Send these stored blocks on to the slower tiers (``Admission.REUSED``): now,
+        or those still being stored once their store is done."""
         ours = [ref for ref in refs if ref.group_id in self.held]
         self._admission.admit(ours, self._storing)
 

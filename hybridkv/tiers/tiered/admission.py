@@ -91,6 +91,20 @@ class SlowerAdmission:
         """While ``on``, every store goes on past the first tier."""
         self._plain_lru = on
 
+    def keep_slower(self, on: bool) -> None:
+        """While ``on``, stores go on only into the slower tiers' free room, and admitted
+        blocks only where they evict nothing but blocks admitted before: the slower
+        tiers keep what they hold (``connector.returns.KeptReturns``)."""
+        self._room.free_only = on
+
+    def _note_reused_below(self, keys: Sequence[StoreKey]) -> None:
+        """Admitted keys the first tier does not hold (a load read them from a slower
+        tier, or it evicted them): each slower tier holding them notes them reused, so
+        the blocks hit there are not evicted for first sightings."""
+        if keys:
+            for index, tier in enumerate(self._tiers[1:], start=1):
+                self._guard.call(index, "note reused", None, tier.note_reused_many, keys)
+
     def admit_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> int:
         """Send blocks held in the first tier on to the slower tiers (write-back, or now
         without it); returns how many were there to send. ``sizes``: each block's bytes.
@@ -105,9 +119,15 @@ class SlowerAdmission:
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes; give one size per key")
         if self._sends_all or self._plain_lru or len(self._tiers) == 1 or not keys:
             return 0
+        if not self._room.take_admitted(sum(sizes)):
+            self.count_sent_on(0, len(keys))
+            self._note_reused_below(keys)
+            return 0
         if self._memory is not None:
             held, views = self._borrow_first(keys, sizes)
             self.count_sent_on(len(held), 0, num_lost=len(keys) - len(held))
+            taken = set(held)
+            self._note_reused_below([key for key in keys if key not in taken])
             if held:
                 self._note_pending(held)
                 self._send_borrowed(held, views)
@@ -116,6 +136,9 @@ class SlowerAdmission:
         found = self._read_first(keys, buffers)
         ok = [j for j, status in enumerate(found) if status is GetStatus.OK]
         self.count_sent_on(len(ok), 0, num_lost=len(keys) - len(ok))
+        self._note_reused_below(
+            [key for key, status in zip(keys, found, strict=True) if status is not GetStatus.OK]
+        )
         ok_keys = [keys[j] for j in ok]
         self._note_pending(ok_keys)
         if self._write_back is not None:

@@ -57,6 +57,8 @@ class SlowerRoom:
         """Bytes sent on since (a write-back queue may not have written them yet)."""
         self._read_at: float | None = None
         self._lock = threading.Lock()
+        self.free_only = False
+        """Only free room counts: nothing is evicted for what goes on (``keep_slower``)."""
 
     def take(self, num_bytes: int) -> bool:
         """True when every slower tier has room for ``num_bytes`` besides what is still
@@ -75,7 +77,29 @@ class SlowerRoom:
                 remote = index in self._free
                 wanted = (self._sent if remote else queued) + num_bytes
                 free = self._free[index] if remote else self._read_free(index)
-                if (free is None or free < wanted) and not self._evicts_unreused(index, wanted):
+                if (free is None or free < wanted) and (
+                    self.free_only or not self._evicts_unreused(index, wanted)
+                ):
+                    return False
+            self._sent += num_bytes
+            return True
+
+    def take_admitted(self, num_bytes: int) -> bool:
+        """While ``free_only``: False where a slower tier has no free room for ``num_bytes``
+        of blocks admitted as reused and would make it by evicting blocks not admitted as
+        reused (the first sightings kept are not pushed out for them); True where each
+        has room, would evict only blocks admitted before, or cannot tell (a server
+        evicts by its own rule); the bytes then count as sent. Otherwise always True:
+        admitted blocks go on."""
+        if not self.free_only:
+            return True
+        if self.take(num_bytes):
+            return True
+        with self._lock:
+            for index in range(1, len(self._tiers)):
+                tier = self._tiers[index]
+                victim = self._guard.call(index, "victim", None, tier.evicts_reused, num_bytes)
+                if victim is False:
                     return False
             self._sent += num_bytes
             return True

@@ -335,6 +335,12 @@ class TieredStore(Tier):
         for index, tier in enumerate(self.tiers):
             self._guard.call(index, "plain lru", None, tier.use_plain_lru, on)
 
+    def keep_slower(self, on: bool) -> None:
+        """While ``on`` (``connector.returns.KeptReturns``), the slower tiers keep what they
+        hold (``SlowerAdmission.keep_slower``): it is hit when it comes back, not pushed
+        out by the next conversation of a cycle too long for them."""
+        self._admission.keep_slower(on)
+
     def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
         """Passed to every tier (those that evict by recency reorder, see ``Tier.touch_many``)."""
         for index, tier in enumerate(self.tiers):

@@ -206,3 +206,52 @@ def test_admitted_blocks_outlive_a_disk_filling_with_blocks_not_reused(
     assert second.stats().evictions > 0
     store.check_integrity()
     store.close()
+
+
+def test_kept_slower_tiers_take_only_free_room(tmp_path: Path, write_back: bool) -> None:
+    """While ``keep_slower``, nothing is evicted on the disk for what goes on: stores go
+    on while they fit in free room, then are held back, admissions too; off again, stores
+    go on by evicting unreused blocks."""
+    segment = 16 * SIZE
+    second = DiskTier(
+        DiskConfig(path=tmp_path / "disk", capacity_bytes=4 * segment, segment_bytes=segment)
+    )
+    first = CpuTier(CpuConfig(capacity_bytes=64 * SIZE, pin_memory=False))
+    store = TieredStore([first, second], admission=Admission.REUSED, write_back=write_back)
+    store.keep_slower(True)
+    kept: list[StoreKey] = []
+    for start in range(0, 256, 4):  # four disks' worth
+        batch = [key(i) for i in range(start, start + 4)]
+        store_by_put(store, batch)
+        if not all(on_disk(store, batch)):
+            break
+        kept += batch
+    assert 16 <= len(kept) < 64, "the disk took what fitted, then held back"
+    later = [key(1000 + i) for i in range(64)]
+    for start in range(0, len(later), 4):
+        store_by_put(store, later[start : start + 4])
+    assert store.admit_many(later[:4], [SIZE] * 4) == 0
+    assert on_disk(store, kept) == [True] * len(kept), "kept: nothing evicted"
+    assert not any(on_disk(store, later)), "the full disk took them"
+    store.keep_slower(False)
+    again = [key(2000 + i) for i in range(8)]
+    store_by_put(store, again)
+    assert on_disk(store, again) == [True] * 8, "evicting unreused blocks again"
+    assert not all(on_disk(store, kept))
+    store.check_integrity()
+    store.close()
+
+
+def test_admitted_blocks_read_from_the_disk_are_noted_reused_there(tmp_path: Path) -> None:
+    """A load that read blocks from the disk (the first tier never held them) admits
+    them: the disk notes them reused, so blocks not reused no longer evict them."""
+    second = disk(tmp_path / "disk", SMALL_DISK)
+    loaded = key(1)
+    assert second.put_many([loaded], [payload(loaded)]) == [PutStatus.OK]
+    first = CpuTier(CpuConfig(capacity_bytes=64 * SIZE, pin_memory=False))
+    store = TieredStore([first, second], admission=Admission.REUSED)
+    assert second.evicts_reused(SIZE) is False
+    assert store.admit_many([loaded], [SIZE]) == 0  # not in the first tier
+    assert second.evicts_reused(SIZE) is True
+    assert store.stats_by_tier()["disk"].admission_lost == 1
+    store.close()
