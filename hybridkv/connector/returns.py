@@ -32,26 +32,52 @@ MIN_FIRST_TOKENS = 3072
 prompts that come back at once (a system prompt's second request) decide it alone."""
 
 
-class ReturnShare:
-    """Decayed counts of first and second sightings, and the mode they decide."""
+class DecayedShare:
+    """A share of two decayed counts, and a switch it drives: on once the share
+    reaches ``enter``, off once it falls to ``leave``, as it was between the two."""
+
+    def __init__(self, keep: float, enter: float, leave: float) -> None:
+        self._keep = keep
+        """What a count keeps per step counted."""
+        self._enter, self._leave = enter, leave
+        self.part = 0.0
+        self.whole = 0.0
+        self.on = False
+
+    @property
+    def share(self) -> float:
+        return self.part / self.whole if self.whole else 0.0
+
+    def add(self, part: float, whole: float, steps: int) -> None:
+        """Decay both counts by ``steps`` steps, then add to them."""
+        keep = self._keep**steps
+        self.part = self.part * keep + part
+        self.whole = self.whole * keep + whole
+
+    def decide(self) -> bool:
+        if self.share >= self._enter:
+            self.on = True
+        elif self.share <= self._leave:
+            self.on = False
+        return self.on
+
+
+class ReturnShare(DecayedShare):
+    """Decayed counts of first sightings (``whole``) and second ones (``part``), and the
+    mode they decide: ``plain_lru``."""
 
     def __init__(self, hash_tokens: int) -> None:
         if hash_tokens < 1:
             raise ValueError(f"hash_tokens={hash_tokens} must be >= 1")
-        self._keep = 1.0 - hash_tokens / max(WINDOW_TOKENS, 2 * hash_tokens)
+        super().__init__(1.0 - hash_tokens / max(WINDOW_TOKENS, 2 * hash_tokens), ENTER, LEAVE)
         self._min_first = MIN_FIRST_TOKENS / hash_tokens
-        self.first = 0.0
-        """Hashes seen for the first time (decayed)."""
-        self.returned = 0.0
-        """Hashes seen for the second time (decayed)."""
         self._num_first = 0
         """Hashes seen for the first time, in all."""
-        self.plain_lru = False
-        """The tiers evict by recency alone and take every store."""
 
     @property
-    def share(self) -> float:
-        return self.returned / self.first if self.first else 0.0
+    def plain_lru(self) -> bool:
+        """The tiers evict by recency alone and take every store."""
+        return self.on
 
     def noted(self, num_first: int, num_returned: int) -> None:
         """``num_first`` hashes were seen for the first time, ``num_returned`` for the
@@ -59,16 +85,10 @@ class ReturnShare:
         count = num_first + num_returned
         if not count:
             return
-        keep = self._keep**count
-        self.first = self.first * keep + num_first
-        self.returned = self.returned * keep + num_returned
+        self.add(num_returned, num_first, count)
         self._num_first += num_first
-        if self._num_first < self._min_first:
-            return
-        if self.share >= ENTER:
-            self.plain_lru = True
-        elif self.share <= LEAVE:
-            self.plain_lru = False
+        if self._num_first >= self._min_first:
+            self.decide()
 
 
 KEPT_WINDOW = 32
@@ -78,7 +98,7 @@ KEEP_ENTER, KEEP_LEAVE = 0.5, 0.25
 they hold, and back."""
 
 
-class KeptReturns:
+class KeptReturns(DecayedShare):
     """Whether the tiers still held what came back: the share of requests whose prefix
     another request reached before (``RequestState.shared_hashes``) and that the tiers
     hit nothing of beyond the engine's own cache.
@@ -94,25 +114,16 @@ class KeptReturns:
     """
 
     def __init__(self) -> None:
-        self._keep = 1.0 - 1.0 / KEPT_WINDOW
-        self.returned = 0.0
-        """Returning requests (decayed)."""
-        self.lost = 0.0
-        """Of them, those the tiers hit nothing of (decayed)."""
-        self.keep_slower = False
-        """The slower tiers take only what fits in their free room."""
+        super().__init__(1.0 - 1.0 / KEPT_WINDOW, KEEP_ENTER, KEEP_LEAVE)
 
     @property
-    def share(self) -> float:
-        return self.lost / self.returned if self.returned else 0.0
+    def keep_slower(self) -> bool:
+        """The slower tiers keep what they hold."""
+        return self.on
 
     def judged(self, *, lost: bool, held_back: bool) -> None:
-        """A request came back: whether the tiers hit nothing of its shared prefix, and
-        whether that prefix was first seen while the slower tiers kept what they held (so
-        lost because they did not take it: keeping is what lost it)."""
-        self.returned = self.returned * self._keep + 1
-        self.lost = self.lost * self._keep + (lost and not held_back)
-        if self.share >= KEEP_ENTER:
-            self.keep_slower = True
-        elif self.share <= KEEP_LEAVE:
-            self.keep_slower = False
+        """A request came back (``whole``): whether the tiers hit nothing of its shared
+        prefix (``part``), unless that prefix was first seen while the slower tiers kept
+        what they held (so lost because they did not take it: keeping is what lost it)."""
+        self.add(float(lost and not held_back), 1.0, 1)
+        self.decide()
