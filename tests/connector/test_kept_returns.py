@@ -51,12 +51,13 @@ def test_returns_lost_because_they_were_held_back_lead_out_of_keeping() -> None:
 def test_a_cycle_longer_than_the_tiers_hits_what_they_keep(
     tmp_path: Path, shape: tuple[GroupKind, ...]
 ) -> None:
-    """Twelve prompts sent twice in the same order through tiers with room for a few:
-    the second pass hits some of them (under recency alone, each is evicted just
-    before it comes back, and none would), and the engine's last metadata keeps."""
+    """Twelve prompts sent twice in the same order through tiers with room for about five
+    (a 256 B block takes a 4 KiB page on the disk): the second pass hits some of them
+    (under recency alone each is evicted just before it comes back, and none would),
+    and the engine's last metadata keeps."""
     model_groups = make_groups(shape, block_size=BLOCK_SIZE)
     config = make_config(
-        tmp_path, admission="reused", cpu_capacity_bytes="64KiB", disk_capacity_bytes="1MiB"
+        tmp_path, admission="reused", cpu_capacity_bytes="64KiB", disk_capacity_bytes="3MiB"
     )
     engine = make_engine(model_groups, config)
     try:
@@ -68,6 +69,6 @@ def test_a_cycle_longer_than_the_tiers_hits_what_they_keep(
         for i, tokens in enumerate(prompts):
             hits.append(run_request(engine, f"again {i}", tokens + prompt(8, seed=i), CHUNK))
         assert engine.last_meta.keep_slower
-        assert sum(h > 0 for h in hits) >= 2, hits
+        assert sum(h > 0 for h in hits) >= 3, hits  # 5 here; none under recency alone
     finally:
         close_engine(engine)
