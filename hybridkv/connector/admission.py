@@ -86,17 +86,14 @@ class AdmissionTracker:
         chain = st.hasher.block_hashes
         new = chain[st.num_noted :]
         before = self.seen.sight(new, SEEN, RETURNED)  # a second sighting: RETURNED
-        if self.keep_slower and len(new):
-            first_now = [new[k] for k in np.flatnonzero(before == NOT_SEEN)]
-            if first_now:
-                self.held.raise_to(first_now, SEEN)
         returned = before == SEEN
-        if self.sightings is not None:
-            first = np.flatnonzero(before == NOT_SEEN)
-            if len(first):
-                elsewhere = first[self.sightings.sight([new[k] for k in first])]
-                returned[elsewhere] = True
-                before[elsewhere] = SEEN
+        first = np.flatnonzero(before == NOT_SEEN)
+        if len(first) and self.keep_slower:
+            self.held.raise_to([new[k] for k in first], SEEN)
+        if len(first) and self.sightings is not None:
+            elsewhere = first[self.sightings.sight([new[k] for k in first])]
+            returned[elsewhere] = True
+            before[elsewhere] = SEEN
         again = np.flatnonzero(before >= SEEN)
         if len(again):
             st.shared_hashes = max(st.shared_hashes, st.num_noted + int(again[-1]) + 1)

@@ -62,8 +62,19 @@ class SlowerRoom:
 
     def take(self, num_bytes: int) -> bool:
         """True when every slower tier has room for ``num_bytes`` besides what is still
-        to be written there, or would make it by evicting nothing admitted as reused;
-        the bytes then count as sent."""
+        to be written there, or (unless ``free_only``) would make it by evicting nothing
+        admitted as reused; the bytes then count as sent."""
+        return self._take(num_bytes, admitted=False)
+
+    def take_admitted(self, num_bytes: int) -> bool:
+        """While ``free_only``: ``take`` for ``num_bytes`` of blocks admitted as reused,
+        where a tier without free room may also make it by evicting blocks admitted
+        before, or cannot tell (a server evicts by its own rule); never by evicting
+        blocks not admitted as reused (the first sightings kept are not pushed out for
+        them). Otherwise always True: admitted blocks go on."""
+        return not self.free_only or self._take(num_bytes, admitted=True)
+
+    def _take(self, num_bytes: int, *, admitted: bool) -> bool:
         if len(self._tiers) < 2:
             return False
         with self._lock:
@@ -77,36 +88,20 @@ class SlowerRoom:
                 remote = index in self._free
                 wanted = (self._sent if remote else queued) + num_bytes
                 free = self._free[index] if remote else self._read_free(index)
-                if (free is None or free < wanted) and (
-                    self.free_only or not self._evicts_unreused(index, wanted)
-                ):
+                if free is not None and free >= wanted:
+                    continue
+                if admitted:
+                    if self._victim_reused(index, wanted) is False:
+                        return False
+                elif self.free_only or self._victim_reused(index, wanted) is not False:
                     return False
             self._sent += num_bytes
             return True
 
-    def take_admitted(self, num_bytes: int) -> bool:
-        """While ``free_only``: False where a slower tier has no free room for ``num_bytes``
-        of blocks admitted as reused and would make it by evicting blocks not admitted as
-        reused (the first sightings kept are not pushed out for them); True where each
-        has room, would evict only blocks admitted before, or cannot tell (a server
-        evicts by its own rule); the bytes then count as sent. Otherwise always True:
-        admitted blocks go on."""
-        if not self.free_only:
-            return True
-        if self.take(num_bytes):
-            return True
-        with self._lock:
-            for index in range(1, len(self._tiers)):
-                tier = self._tiers[index]
-                victim = self._guard.call(index, "victim", None, tier.evicts_reused, num_bytes)
-                if victim is False:
-                    return False
-            self._sent += num_bytes
-            return True
-
-    def _evicts_unreused(self, index: int, num_bytes: int) -> bool:
+    def _victim_reused(self, index: int, num_bytes: int) -> bool | None:
+        """``Tier.evicts_reused`` of the slower tier ``index`` (None: it cannot tell)."""
         tier = self._tiers[index]
-        return self._guard.call(index, "victim", None, tier.evicts_reused, num_bytes) is False
+        return self._guard.call(index, "victim", None, tier.evicts_reused, num_bytes)
 
     def _read_free(self, index: int) -> int | None:
         usage: TierUsage | None = self._guard.call(index, "usage", None, self._tiers[index].usage)
