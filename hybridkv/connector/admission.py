@@ -26,6 +26,7 @@ from hybridkv.connector.steps import ScheduledRequest
 from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder
 from hybridkv.tiers.admission import Admission
+from hybridkv.tiers.retention import StackMode
 
 DEFAULT_SEEN_HASHES = 1 << 20
 """Hashes remembered by default: 29 MiB (``connector.seen``)."""
@@ -88,7 +89,7 @@ class AdmissionTracker:
         before = self.seen.sight(new, SEEN, RETURNED)  # a second sighting: RETURNED
         returned = before == SEEN
         first = np.flatnonzero(before == NOT_SEEN)
-        if len(first) and self.keep_slower:
+        if len(first) and self.mode is StackMode.KEEP_SLOWER:
             self.held.raise_to([new[k] for k in first], SEEN)
         if len(first) and self.sightings is not None:
             elsewhere = first[self.sightings.sight([new[k] for k in first])]
@@ -101,15 +102,16 @@ class AdmissionTracker:
         st.num_noted = len(chain)
 
     @property
-    def plain_lru(self) -> bool:
-        """Most first sightings come back: the tiers take every store and evict by
-        recency alone (``connector.returns``)."""
-        return self.returns.plain_lru
-
-    @property
-    def keep_slower(self) -> bool:
-        """Most returns lately were lost: the slower tiers take only free room."""
-        return self.kept.keep_slower and not self.plain_lru
+    def mode(self) -> StackMode:
+        """``PLAIN_LRU`` while most first sightings come back (the tiers take every store
+        and evict by recency alone); else ``KEEP_SLOWER`` while most returns lately were
+        lost (the slower tiers take only free room); else ``OWN_RULES``
+        (``connector.returns``)."""
+        if self.returns.plain_lru:
+            return StackMode.PLAIN_LRU
+        if self.kept.keep_slower:
+            return StackMode.KEEP_SLOWER
+        return StackMode.OWN_RULES
 
     def looked_up(self, st: RequestState, engine_tokens: int, hit_tokens: int) -> None:
         """The tiers were asked for the request: once per request with a shared prefix

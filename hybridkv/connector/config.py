@@ -15,7 +15,7 @@ from pydantic import Field, StrictInt, StrictStr
 from pydantic.dataclasses import dataclass
 
 from hybridkv.connector.admission import DEFAULT_SEEN_HASHES
-from hybridkv.connector.recency import EvictionOrder
+from hybridkv.connector.retention import EvictionOrder
 from hybridkv.connector.sightings import DEFAULT_SIGHTING_TTL_S
 from hybridkv.keys import HashAlgo
 from hybridkv.paths import CACHE_DIR_ENV, default_cache_dir

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hybridkv.keys import BlockHash
+from hybridkv.tiers.retention import StackMode
 
 
 class BlockRef(NamedTuple):
@@ -102,12 +103,11 @@ class ConnectorMetadata:
     admitted: tuple[BlockRef, ...] = ()
     """Blocks stored, or being stored, to send on to the slower tiers
     (``Admission.REUSED``; ``connector.admission``)."""
-    plain_lru: bool = False
-    """With ``Admission.REUSED``: most first sightings came back lately, so the tiers
-    take every store and evict by recency alone (``connector.returns``)."""
-    keep_slower: bool = False
-    """With ``Admission.REUSED``: most returning prefixes were lost lately, so the slower
-    tiers keep what they hold (``connector.returns.KeptReturns``)."""
+    mode: StackMode = StackMode.OWN_RULES
+    """How the tiers keep and send on blocks this step: with ``Admission.REUSED`` the
+    scheduler switches them to plain recency while most first sightings come back, and
+    to keeping the slower tiers' blocks while most returning prefixes are lost
+    (``connector.returns``)."""
 
     @property
     def is_empty(self) -> bool:

@@ -7,14 +7,13 @@ first blocks the rest of a prompt is useless. ``ChainRecency`` remembers, per
 request, the keys this rank stored or loaded for it; each time some of them
 were, the tiers are told to touch all of them last block first, every group's
 block of one position together: the head becomes the most recent, the tail
-(worth the least) goes first. With ``EvictionOrder.WORTH`` each chain's touch
+(worth the least) goes first. With ``eviction_order: worth`` each chain's touch
 also gives its blocks the passes its prefill saved per byte earns
 (``connector/worth.py``).
 """
 
 from __future__ import annotations
 
-import enum
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -27,15 +26,6 @@ RECENT_CHAINS = 256
 tier is storing now, so chains all worth the same keep plain chain order."""
 Placed = tuple[StoreKey, int, int]
 """A block of a chain: its key, its group, its first token."""
-
-
-class EvictionOrder(enum.Enum):
-    CHAIN = "chain"
-    """A request's blocks age as a chain: its last blocks are evicted first."""
-    LRU = "lru"
-    """Plain recency: each block as it was stored or read (its first blocks go first)."""
-    WORTH = "worth"
-    """Chain order, and a chain that saves more prefill per byte held stays longer."""
 
 
 @dataclass

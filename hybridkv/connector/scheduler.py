@@ -48,6 +48,7 @@ from hybridkv.hits import Hit, drafting_groups
 from hybridkv.keys import BlockHash, HashAlgo, RequestBlockHasher
 from hybridkv.tiers.admission import Admission
 from hybridkv.tiers.base import Tier
+from hybridkv.tiers.retention import StackMode
 from hybridkv.tiers.selection import Selection, pick_whole_request_tier
 
 logger = logging.getLogger(__name__)
@@ -260,8 +261,7 @@ class ConnectorScheduler:
             cancelled_req_ids=frozenset(self._cancelled),
             written_block_ids=step.written_block_ids(self.model_groups),
             admitted=tuple(admitted),
-            plain_lru=self.admission is not None and self.admission.plain_lru,
-            keep_slower=self.admission is not None and self.admission.keep_slower,
+            mode=StackMode.OWN_RULES if self.admission is None else self.admission.mode,
         )
         self._loads, self._cancelled = [], set()
         return meta
@@ -317,7 +317,7 @@ class ConnectorScheduler:
         if self.admission is None or not st.cacheable:
             return [], plan
         refs = self.admission.admits(st, req, plan)
-        if self.admission.plain_lru:
+        if self.admission.mode is StackMode.PLAIN_LRU:
             return refs, plan
         refresh = self.stores.refresh(st, req, set(refs), self.alignment_tokens)
         if refresh:

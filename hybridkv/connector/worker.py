@@ -12,13 +12,9 @@ asynchronously on CUDA, where ``fence`` keeps the engine from writing a block
 before its copy is done) and written to the tiers in the background; a store
 that cannot be queued is dropped and reported. Blocks the engine's own cache
 served a request, admitted now, are stored again if the first tier has evicted
-them (``StorePlan.refresh``). With ``EvictionOrder.CHAIN`` (or ``WORTH``) each
-request's blocks are touched in the tiers, last block first, whenever some were
-stored or loaded (``connector.recency``; with ``WORTH`` they get the passes their
-prefill saved per byte earns, ``connector.worth``). With ``Admission.REUSED`` the blocks
-the scheduler admits are sent on from the first tier to the slower ones
-(``admit``), once their store, if still running, is done
-(``connector.worker_admission``).
+them (``StorePlan.refresh``). What it stores and loads, and the step's mode and
+admitted blocks, it tells its retention policy (``connector.retention``, the
+one ``eviction_order`` names), which tells the tiers.
 """
 
 from __future__ import annotations
@@ -41,17 +37,16 @@ from hybridkv.connector.metadata import (
     TierChange,
     WorkerReport,
 )
-from hybridkv.connector.recency import ChainRecency, EvictionOrder
 from hybridkv.connector.report import ReportBuilder
+from hybridkv.connector.retention import EvictionOrder, RetentionPolicy, policy_for
 from hybridkv.connector.stats import WorkerStats
-from hybridkv.connector.worker_admission import WorkerAdmission
 from hybridkv.connector.worker_parts import Load, Part, pack, refs_of
-from hybridkv.connector.worth import ChainWorth
 from hybridkv.groups import ModelGroups
 from hybridkv.keys import KeyBuilder, KeyNamespace
 from hybridkv.layout import CanonicalKVCaches, canonicalize
 from hybridkv.tiers.base import StoreKey
 from hybridkv.tiers.ranks import WorkerRank
+from hybridkv.tiers.retention import StackMode
 from hybridkv.tiers.tiered.store import TieredStore
 from hybridkv.transfer import (
     JobId,
@@ -103,16 +98,9 @@ class ConnectorWorker:
         self._job_stores: dict[JobId, tuple[Part, ...]] = {}
         self._storing: Counter[StoreKey] = Counter()
         """Keys of store jobs in flight (a load of them waits)."""
-        self._admission = WorkerAdmission(model_groups, self.keys, store)
-        self._plain_lru = False
-        self._keep_slower = False
         self._report = ReportBuilder(self.rank.index)
-        block_sizes = [group.block_size for group in model_groups.groups]
-        weighs = eviction_order is EvictionOrder.WORTH
-        worth = ChainWorth.for_groups(model_groups) if weighs else None
-        in_chains = eviction_order is not EvictionOrder.LRU
-        self.chains = ChainRecency(block_sizes, worth) if in_chains else None
-        """Per request, the blocks to touch in chain order (None: plain recency)."""
+        self.retention: RetentionPolicy = policy_for(eviction_order, model_groups, self.keys, store)
+        """What this rank tells the tiers of its blocks' fate (``connector.retention``)."""
 
     # --- set-up ----------------------------------------------------------------
 
@@ -171,8 +159,7 @@ class ConnectorWorker:
                         self._report.dropped += p.refs
                         continue
                     self._storing.update(p.part.keys)
-                    if self.chains is not None:
-                        self.chains.start_store(plan.req_id)
+                    self.retention.store_started(plan.req_id)
                 if job_id is not None:
                     self._job_stores[job_id] = tuple(parts)
 
@@ -190,28 +177,20 @@ class ConnectorWorker:
                 out.append(t.picked(gone))
         return out
 
-    def use_modes(self, *, plain_lru: bool = False, keep_slower: bool = False) -> None:
-        """The scheduler's modes for this step, set before its stores (``Admission.REUSED``):
-        ``plain_lru``, the tiers take every store and evict by recency alone; ``keep_slower``,
-        the slower tiers keep what they hold (``connector.returns``). Set before the
-        stores: a store the first tier commits at once goes on by the step's mode."""
-        if plain_lru != self._plain_lru:
-            self._plain_lru = plain_lru
-            self.store.use_plain_lru(plain_lru)
-        if keep_slower != self._keep_slower:
-            self._keep_slower = keep_slower
-            self.store.keep_slower(keep_slower)
+    def use_mode(self, mode: StackMode) -> None:
+        """The scheduler's mode for this step (``StackMode``, ``connector.returns``); set
+        before its stores: a store the first tier commits at once goes on by it."""
+        self.retention.use_mode(mode)
 
     def admit(self, refs: Sequence[BlockRef]) -> None:
         """Send these stored blocks on to the slower tiers (``Admission.REUSED``): now,
         or those still being stored once their store is done."""
         ours = [ref for ref in refs if ref.group_id in self.held]
-        self._admission.admit(ours, self._storing)
+        self.retention.admit(ours, self._storing)
 
     def finish_requests(self, req_ids: frozenset[str] | set[str]) -> None:
         """The engine finished these requests (their stores still run to the end)."""
-        if self.chains is not None:
-            self.chains.finish(req_ids)
+        self.retention.finish(req_ids)
 
     def poll(self) -> WorkerReport:
         """Collect finished jobs; report loads that are complete and blocks stored."""
@@ -224,7 +203,7 @@ class ConnectorWorker:
                 self._drop_parts(load)
             if not load.jobs and not load.parts:
                 self._finish(req_id, load, now)
-        self._touch_chains()
+        self.retention.touch_changed()
         self._take_tier_changes()
         return WorkerReport(ranks=(self._report.take(),))
 
@@ -234,13 +213,6 @@ class ConnectorWorker:
             for result in self.engine.poll_finished():
                 self._on_result(result)
         return self._storing.total()
-
-    def _touch_chains(self) -> None:
-        """Each request whose blocks were stored or loaded since the last poll: all of its
-        blocks, one batch, head last (most recent), with the chain's passes."""
-        if self.chains is not None:
-            for keys, passes in self.chains.take_orders():
-                self.store.touch_many(keys, passes)
 
     def _take_tier_changes(self) -> None:
         """What the tiers stored and removed, by block (recorded only when the engine
@@ -270,9 +242,7 @@ class ConnectorWorker:
             k for parts in self._job_stores.values() for p in parts for k in p.part.keys
         )
         assert storing == +self._storing, "in-flight store keys out of sync"
-        self._admission.check_integrity(self._storing)
-        if self.chains is not None:
-            self.chains.check_integrity()
+        self.retention.check_integrity(self._storing)
 
     def close(self) -> None:
         """Let stores and write-back finish for up to ``close_timeout_s``, count what they
@@ -309,8 +279,7 @@ class ConnectorWorker:
                 part = TransferPart(t.group_id, block_ids, keys, tier_index)
                 refs = tuple(BlockRef(t.group_id, h) for h in hashes)
                 parts.append(Part(part, refs, req_id))
-                if self.chains is not None:
-                    self.chains.add(req_id, t.group_id, indices, keys)
+                self.retention.holds(req_id, t.group_id, indices, keys)
         return parts
 
     def _submit_waiting(self, now: float) -> None:
@@ -372,8 +341,7 @@ class ConnectorWorker:
         parts = self._job_stores.pop(result.job_id, ())
         for p in parts:
             self._storing.subtract(p.part.keys)
-            if self.chains is not None:
-                self.chains.end_store(p.req_id)
+            self.retention.store_ended(p.req_id)
             counts = self.stats.groups[p.part.group_id]
             block_bytes = self.model_groups.groups[p.part.group_id].block_bytes
             stored = refs_of((p,), result.ok_block_ids)
@@ -384,7 +352,7 @@ class ConnectorWorker:
             self._report.stored += stored
             self._report.dropped += failed
         self._storing = +self._storing  # drop zero counts
-        self._admission.stored([key for p in parts for key in p.part.keys], self._storing)
+        self.retention.stored([key for p in parts for key in p.part.keys], self._storing)
 
     def _on_load_result(self, load: Load, parts: tuple[Part, ...], result: JobResult) -> None:
         load.jobs.discard(result.job_id)
@@ -413,8 +381,7 @@ class ConnectorWorker:
             LoadResult(req_id=req_id, outcome=load.outcome, failed_block_ids=tuple(failed))
         )
         self.stats.loads[load.outcome] += 1
-        if self.chains is not None:
-            self.chains.touched(req_id)
+        self.retention.touched(req_id)
         # Until the last block landed, not until this poll: vLLM polls once a step, and a
         # load that lands during a long prefill step would count the whole step.
         landed = load.landed

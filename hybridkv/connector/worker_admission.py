@@ -5,7 +5,7 @@ scheduler side). A step's admitted blocks go on together and in the order the
 scheduler gives (a chain's last blocks first, every group's at each position:
 the slower tiers evict what was written first, so a prefix loses its tail, not
 its head or one group's blocks): at once, or, while this worker still stores
-some of them, once those stores are done (``TieredStore.admit_many``).
+some of them, once those stores are done (``StackRetention.admit``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class WorkerAdmission:
         if batch.waiting:
             self._batches.append(batch)
         else:
-            self.store.admit_many(keys, sizes)
+            self.store.retention.admit(keys, sizes)
 
     def stored(self, keys: Sequence[StoreKey], storing: Container[StoreKey]) -> None:
         """Stores of these keys ended: send on the admissions that waited only for them
@@ -65,7 +65,7 @@ class WorkerAdmission:
         if ready:
             self._batches = [batch for batch in self._batches if batch.waiting]
             for batch in ready:
-                self.store.admit_many(batch.keys, batch.sizes)
+                self.store.retention.admit(batch.keys, batch.sizes)
 
     def check_integrity(self, storing: Mapping[StoreKey, int]) -> None:
         waiting = {key for batch in self._batches for key in batch.waiting}

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from hybridkv.groups import KVGroup, ModelGroups
 from hybridkv.groups.kinds import rules_for
-from hybridkv.tiers.base import MAX_PASSES
+from hybridkv.tiers.retention import MAX_PASSES
 
 
 @dataclass(frozen=True)

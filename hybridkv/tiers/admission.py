@@ -4,7 +4,7 @@ Any process; plain data. A ``TieredStore`` stores every block in its first
 tier (CPU memory). With ``Admission.ALL`` it also writes every one to each
 slower tier (disk, pool); with ``Admission.REUSED`` a block goes on while
 the slower tiers have free room (``tiers.tiered.room``), and once they are
-full only when someone admits it (``TieredStore.admit_many``: the
+full only when someone admits it (``StackRetention.admit``: the
 connector's scheduler decides, ``connector.admission``); one never admitted
 then lives in the first tier only, until evicted there.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import ctypes
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar, NewType, Protocol
@@ -20,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hybridkv.metric_fields import counter, gauge
+from hybridkv.tiers.retention import TierRetention
 
 if TYPE_CHECKING:
     import torch  # only where a tier exposes its memory; lookups never load it
@@ -38,11 +40,6 @@ def buffer_address(buffer: Buffer) -> int:
         return ctypes.addressof(ctypes.c_char.from_buffer(buffer.data))
     except (TypeError, ValueError):  # read-only, or empty
         return int(buffer.ctypes.data)
-
-
-MAX_PASSES = 3
-"""The most passes ``Tier.touch_many`` gives an object: what a policy may ask of any tier
-(the CPU tier keeps them in two bits of a row's marks)."""
 
 
 class GetStatus(enum.Enum):
@@ -112,9 +109,10 @@ class TierStats:
         name="tier_admission_lost_blocks",
         labels=_TIER,
     )
-    """Set by the tiered store: blocks ``admit_many`` named that the first tier did not
-    hold (``Admission.REUSED``): evicted before their admission ran, or never stored
-    (a prefix's blocks another rank or an earlier request was to store); not sent on."""
+    """Set by the tiered store: blocks admitted (``StackRetention.admit``) that the first
+    tier did not hold (``Admission.REUSED``): evicted before their admission ran, or
+    never stored (a prefix's blocks another rank or an earlier request was to store);
+    not sent on."""
     pending_loads: int = gauge(
         "Keys being read from the tier when the metrics were taken",
         name="tier_pending_loads",
@@ -196,7 +194,7 @@ class Tier(abc.ABC):
     accepts_promotions: ClassVar[bool] = False
     """Blocks read from slower tiers are copied here (best effort)."""
     local_usage: ClassVar[bool] = False
-    """``usage`` and ``evicts_reused`` answer from this process's memory, with no
+    """``usage`` and ``retention.evicts_reused`` answer from this process's memory, with no
     round trip to a server (``tiers.tiered.room`` asks for every batch)."""
     marks_sightings: ClassVar[bool] = False
     """A shared tier whose ``sight_many`` marks keys for other engines to see
@@ -239,36 +237,6 @@ class Tier(abc.ABC):
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove keys; returns how many were present."""
 
-    def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
-        """Make the stored ones of these keys the most recently used, in order (the last
-        key ends most recent; absent keys are skipped); ``passes`` where given: the
-        times each is passed over when it comes round to be evicted, 0 to
-        ``MAX_PASSES`` (what they save per byte, ``connector/worth.py``). The default
-        does nothing: a tier that evicts by another rule (or on a server) ignores it."""
-
-    def put_reused_many(
-        self,
-        keys: Sequence[StoreKey],
-        buffers: Sequence[Buffer],
-        checksums: Sequence[int] | None = None,
-    ) -> list[PutStatus]:
-        """``put_many`` of keys admitted as likely to be read again (``Admission.REUSED``),
-        then ``note_reused_many`` of them. A tier that keeps such objects apart (the disk:
-        segments of their own) overrides it."""
-        results = self.put_many(keys, buffers, checksums)
-        self.note_reused_many(keys)
-        return results
-
-    def note_reused_many(self, keys: Sequence[StoreKey]) -> None:
-        """These stored keys were admitted as likely to be read again (``Admission.REUSED``);
-        a tier that can keep them from being evicted for others remembers it. The default
-        ignores it."""
-
-    def use_plain_lru(self, on: bool) -> None:
-        """While ``on``, evict least recently used first, whatever was noted reused or
-        read (most first sightings come back: ``connector.returns``); off, by the
-        tier's own rule again. The default ignores it."""
-
     def sight_many(self, keys: Sequence[StoreKey], ttl_s: int) -> list[bool]:
         """Mark each key for ``ttl_s`` seconds; True for those already marked (by any
         client). An unanswered key is False. Only a tier that ``marks_sightings`` can."""
@@ -277,11 +245,11 @@ class Tier(abc.ABC):
             "mark them in a tier that can (valkey)"
         )
 
-    def evicts_reused(self, num_bytes: int) -> bool | None:
-        """Whether storing ``num_bytes`` more, not admitted as reused, would evict (or be
-        refused for) an object noted reused; None (the default): the tier cannot tell (a
-        server evicts by its own rule)."""
-        return None
+    @functools.cached_property
+    def retention(self) -> TierRetention:
+        """The hints a retention policy gives this tier (touch, passes, reused marks,
+        plain recency). The default ignores them: the tier evicts by its own rule."""
+        return TierRetention(self)
 
     @abc.abstractmethod
     def usage(self) -> TierUsage: ...

@@ -15,6 +15,7 @@ object of another size is still CORRUPT.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from hybridkv.tiers.codec import key_digests
 from hybridkv.tiers.config import LoadWeight, TierConfigBase
 from hybridkv.tiers.cpu_index import ArenaIndex, Outstanding
 from hybridkv.tiers.memory import ALIGN_BYTES, allocate_arena, arena_tensor
+from hybridkv.tiers.retention import TierRetention
 
 if TYPE_CHECKING:
     import torch
@@ -115,6 +117,10 @@ class CpuTier(BookkeepingTier):
 
     def memory(self) -> TierMemory:
         return self._memory
+
+    @functools.cached_property
+    def retention(self) -> CpuRetention:
+        return CpuRetention(self)
 
     @property
     def arena(self) -> torch.Tensor:
@@ -307,23 +313,6 @@ class CpuTier(BookkeepingTier):
 
     # Bookkeeping ---------------------------------------------------------------------
 
-    def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
-        """See ``Tier.touch_many``: one native batch (not counted as gets); passes given
-        replace those the objects had (``LruObjects.grant``)."""
-        digests = key_digests(keys)
-        with self._lock:
-            self._check_open()
-            rows = self._index.find(digests)
-            rows = rows[rows >= 0]
-            self._index.touch(rows)
-            if passes is not None:
-                self._index.stored.grant(rows, passes)
-
-    def use_plain_lru(self, on: bool) -> None:
-        """While ``on``, no ``second_chance`` (``LruObjects.plain_lru``)."""
-        with self._lock:
-            self._index.stored.plain_lru = on
-
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove stored keys (a borrowed one keeps its bytes until released); reservations
         are left alone."""
@@ -392,6 +381,34 @@ class _CpuMemory(TierMemory):
 
     def release_many(self, keys: Sequence[StoreKey]) -> None:
         self._tier.release_many(keys)
+
+
+class CpuRetention(TierRetention):
+    """``CpuTier.retention``: touches and passes in one native batch, plain recency by
+    setting aside ``second_chance`` (``cpu_lru.LruObjects``)."""
+
+    tier: CpuTier
+
+    def __init__(self, tier: CpuTier) -> None:
+        super().__init__(tier)
+
+    def touch(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
+        """Not counted as gets; passes given replace those the objects had
+        (``LruObjects.grant``)."""
+        tier = self.tier
+        digests = key_digests(keys)
+        with tier._lock:
+            tier._check_open()
+            rows = tier._index.find(digests)
+            rows = rows[rows >= 0]
+            tier._index.touch(rows)
+            if passes is not None:
+                tier._index.stored.grant(rows, passes)
+
+    def use_plain_lru(self, on: bool) -> None:
+        """While ``on``, no ``second_chance`` (``LruObjects.plain_lru``)."""
+        with self.tier._lock:
+            self.tier._index.stored.plain_lru = on
 
 
 def _split(digests: bytes) -> list[bytes]:

@@ -16,7 +16,6 @@ from numba import njit
 
 import hybridkv.native  # noqa: F401  # before numba compiles: see its docstring
 from hybridkv.tiers import digest_table
-from hybridkv.tiers.base import MAX_PASSES
 from hybridkv.tiers.digest_table import (
     NONE,
     Buckets,
@@ -29,6 +28,7 @@ from hybridkv.tiers.digest_table import (
     grown,
     words,
 )
+from hybridkv.tiers.retention import MAX_PASSES
 
 Wide = npt.NDArray[np.int64]
 """Per row: arena offset, size (NONE: a free row)."""

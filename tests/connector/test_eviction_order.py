@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridkv.connector.retention import POLICIES, ChainPolicy, EvictionOrder, register
 from hybridkv.groups import GroupKind
 from hybridkv.tiers.cpu import CpuTier
 from hybridkv.tools.sim.build import close_engine, make_config, make_engine
@@ -121,8 +122,32 @@ def test_finished_requests_are_forgotten_once_their_stores_end(tmp_path: Path) -
     tokens = prompt(NUM_BLOCKS * BLOCK_SIZE)
     assert engine.add("a", tokens) == 0
     engine.step({"a": len(tokens)})
-    assert engine.worker.chains is not None and len(engine.worker.chains) == 1
+    policy = engine.worker.retention
+    assert isinstance(policy, ChainPolicy) and len(policy.chains) == 1
     engine.finish("a")
     engine.settle()
-    assert len(engine.worker.chains) == 0
+    assert len(policy.chains) == 0
     close_engine(engine)
+
+
+def test_each_eviction_order_names_a_policy_of_its_own(tmp_path: Path) -> None:
+    """The registry: every ``eviction_order`` builds its own policy class; chain and worth
+    keep chains (worth with passes), lru none; a second policy for a name is refused."""
+    model_groups = make_groups((SW, FULL), block_size=BLOCK_SIZE)
+    classes = set()
+    for order in EvictionOrder:
+        engine = make_engine(
+            model_groups, make_config(tmp_path / order.value, eviction_order=order.value)
+        )
+        policy = engine.worker.retention
+        assert type(policy) is POLICIES[order] and policy.order is order
+        classes.add(type(policy))
+        if order is EvictionOrder.LRU:
+            assert not isinstance(policy, ChainPolicy)
+        else:
+            assert isinstance(policy, ChainPolicy)
+            assert (policy.chains.worth is not None) == (order is EvictionOrder.WORTH)
+        close_engine(engine)
+    assert len(classes) == len(EvictionOrder)
+    with pytest.raises(ValueError, match="has a policy already"):
+        register(EvictionOrder.CHAIN)(ChainPolicy)

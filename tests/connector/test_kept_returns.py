@@ -14,6 +14,7 @@ import pytest
 from hybridkv.connector import returns
 from hybridkv.connector.returns import KeptReturns
 from hybridkv.groups import GroupKind
+from hybridkv.tiers.retention import StackMode
 from hybridkv.tools.sim.build import close_engine, make_config, make_engine
 from hybridkv.tools.sim.model import prompt
 from hybridkv.tools.sim.shapes import make_groups
@@ -64,11 +65,11 @@ def test_a_cycle_longer_than_the_tiers_hits_what_they_keep(
         prompts = [prompt(192, seed=100 + i) for i in range(12)]
         for i, tokens in enumerate(prompts):
             run_request(engine, f"first {i}", tokens, CHUNK)
-            assert not engine.last_meta.keep_slower, "nothing came back yet"
+            assert engine.last_meta.mode is not StackMode.KEEP_SLOWER, "nothing came back yet"
         hits = []
         for i, tokens in enumerate(prompts):
             hits.append(run_request(engine, f"again {i}", tokens + prompt(8, seed=i), CHUNK))
-        assert engine.last_meta.keep_slower
+        assert engine.last_meta.mode is StackMode.KEEP_SLOWER
         assert sum(h > 0 for h in hits) >= 3, hits  # 5 here; none under recency alone
     finally:
         close_engine(engine)

@@ -13,6 +13,7 @@ from hybridkv.connector.returns import ReturnShare
 from hybridkv.groups import GroupKind
 from hybridkv.tiers.cpu import CpuTier
 from hybridkv.tiers.disk.tier import DiskTier
+from hybridkv.tiers.retention import StackMode
 from hybridkv.tools.sim.build import close_engine, make_config, make_engine
 from hybridkv.tools.sim.model import prompt
 from hybridkv.tools.sim.shapes import make_groups
@@ -61,21 +62,21 @@ def test_a_full_disk_takes_first_sightings_while_most_come_back(tmp_path: Path) 
     for n, doc in enumerate(docs * 2):  # each asked twice
         run_request(engine, f"doc {n}", doc + prompt(8, seed=n), CHUNK)
         if n < len(docs):
-            assert not engine.last_meta.plain_lru, "nothing came back yet"
-    assert engine.last_meta.plain_lru
+            assert engine.last_meta.mode is not StackMode.PLAIN_LRU, "nothing came back yet"
+    assert engine.last_meta.mode is StackMode.PLAIN_LRU
     assert cpu._index.stored.plain_lru and disk._table.plain_lru
     tokens = prompt(256, seed=5000)
     run_request(engine, "first sighting, plain LRU", tokens, CHUNK)
     stored = stored_keys(model_groups, engine, tokens)
     assert stored and all(on_disk(config, stored)), "the full, marked disk took it"
     sent = [*(doc + prompt(8, seed=n) for n, doc in enumerate(docs * 2)), tokens]
-    while engine.last_meta.plain_lru:
+    while engine.last_meta.mode is StackMode.PLAIN_LRU:
         sent.append(prompt(256, seed=6000 + len(sent)))
         run_request(engine, f"one-off {len(sent)}", sent[-1], CHUNK)
         assert len(sent) < 200, "one-off prompts never took the tiers back"
     assert not (cpu._index.stored.plain_lru or disk._table.plain_lru)
-    disk.note_reused_many([k for t in sent for k in every_key(model_groups, t)])
-    assert disk.evicts_reused(1) is True, "every segment on disk is marked now"
+    disk.retention.note_reused([k for t in sent for k in every_key(model_groups, t)])
+    assert disk.retention.evicts_reused(1) is True, "every segment on disk is marked now"
     tokens = prompt(256, seed=9000)
     run_request(engine, "first sighting, reused", tokens, CHUNK)
     stored = stored_keys(model_groups, engine, tokens)

@@ -8,7 +8,8 @@ import pytest
 from hybridkv.connector.recency import ChainRecency
 from hybridkv.connector.worth import ChainWorth
 from hybridkv.groups import GroupKind
-from hybridkv.tiers.base import MAX_PASSES, StoreKey
+from hybridkv.tiers.base import StoreKey
+from hybridkv.tiers.retention import MAX_PASSES
 from hybridkv.tools.sim.shapes import make_groups
 
 MAMBA, FULL, SW = GroupKind.MAMBA, GroupKind.FULL, GroupKind.SLIDING_WINDOW

@@ -4,6 +4,7 @@ disk tier from outside, a request run start to end (test helper)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.disk import segments
 from hybridkv.tiers.disk.config import DiskConfig
 from hybridkv.tiers.disk.tier import DiskTier
+from hybridkv.tiers.retention import TierRetention
 from hybridkv.tools.sim.build import close_engine, make_config, make_engine
 from hybridkv.tools.sim.check import assert_kv_matches_cold
 from hybridkv.tools.sim.drive import run_to_end, wait_loaded
@@ -56,8 +58,8 @@ def fill_disk(disk: Tier) -> None:
     for i in range(1 << 16):
         usage = disk.usage()
         if usage.capacity_bytes is not None and usage.used_bytes >= usage.capacity_bytes:
-            disk.note_reused_many(keys)
-            assert disk.evicts_reused(1) is True
+            disk.retention.note_reused(keys)
+            assert disk.retention.evicts_reused(1) is True
             return
         keys.append(StoreKey(f"test/filler/{i}"))
         assert disk.put_many(keys[-1:], [filler]) == [PutStatus.OK]
@@ -130,8 +132,9 @@ class GatedTier(Tier):
     ) -> list[PutStatus]:
         return self.inner.put_many(keys, buffers, checksums)
 
-    def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
-        self.inner.touch_many(keys, passes)
+    @functools.cached_property
+    def retention(self) -> TierRetention:
+        return self.inner.retention
 
     def get_many_into(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> list[GetStatus]:
         self.num_waiting += 1

@@ -123,13 +123,13 @@ def test_lru_eviction_order_with_uniform_sizes() -> None:
     tier.check_integrity()
 
 
-def test_touch_many_sets_the_order_evictions_then_follow() -> None:
+def test_touch_sets_the_order_evictions_then_follow() -> None:
     """A chain touched last block first: later puts evict its tail first, its head last."""
     size = 1000  # rounds to 1024: eight fit in 8192 bytes
     tier = cpu_tier(8192)
     chain = [key(f"chain/{i}") for i in range(8)]
     tier.put_many(chain, [payload(k, size) for k in chain])  # block 0 least recent
-    tier.touch_many([*reversed(chain), key("absent")])
+    tier.retention.touch([*reversed(chain), key("absent")])
     assert tier.lru_digests() == digests(chain[::-1])
     assert tier.stats().gets == 0  # a touch is no read
     for n, k in enumerate(key(f"new/{i}") for i in range(5)):
@@ -200,7 +200,7 @@ def test_lru_against_reference_model(ops: list[tuple[str, int, int]]) -> None:
         elif op == "touch":
             touched = [k, key((i + 1) % 12), key((i + 5) % 12)]
             present = tier.contains_many(touched)
-            tier.touch_many(touched)
+            tier.retention.touch(touched)
             for t in (t for t, p in zip(touched, present, strict=True) if p):
                 recency.remove(t)
                 recency.append(t)

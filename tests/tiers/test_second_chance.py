@@ -1,6 +1,6 @@
 """The CPU tier's ``second_chance``: an object read since it was stored is passed over
 once when it would be evicted, so objects never read go first; and passes granted by
-``touch_many`` (``eviction_order: worth``). Against a list model (hypothesis) and
+``retention.touch`` (``eviction_order: worth``). Against a list model (hypothesis) and
 through ``CpuTier`` with real puts and gets."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.tiers.base import MAX_PASSES, GetStatus, StoreKey
+from hybridkv.tiers.base import GetStatus, StoreKey
 from hybridkv.tiers.codec import key_digest
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.cpu_lru import PROTECTED, LruObjects
 from hybridkv.tiers.digest_table import NONE, digest_words
+from hybridkv.tiers.retention import MAX_PASSES
 
 NUM_KEYS = 16
 
@@ -160,10 +161,10 @@ def test_plain_lru_suspends_second_chance_until_it_ends() -> None:
     t = tier(True)
     put(t, shared)
     assert read(t, shared) == [GetStatus.OK] * 2
-    t.use_plain_lru(True)
+    t.retention.use_plain_lru(True)
     put(t, [f"once/{i}" for i in range(7)])  # full, then one eviction
     assert t.contains_many([StoreKey(n) for n in shared]) == [False, True]
-    t.use_plain_lru(False)
+    t.retention.use_plain_lru(False)
     put(t, ["once/7"])  # shared/1, read, is passed over; once/0 goes
     assert t.contains_many([StoreKey("shared/1"), StoreKey("once/0")]) == [True, False]
     t.check_integrity()
@@ -178,7 +179,7 @@ def test_protection_is_capped_when_most_objects_were_read() -> None:
     t = tier(True)
     put(t, names)  # full
     assert read(t, names[:7]) == [GetStatus.OK] * 7  # 7 of 8 read: over 0.75
-    t.touch_many([StoreKey("doc/7")])  # the one never read is the most recent
+    t.retention.touch([StoreKey("doc/7")])  # the one never read is the most recent
     assert int(PROTECTED * 8) < 7
     put(t, ["new/0"])
     assert t.contains_many([StoreKey(n) for n in names]) == [False] + [True] * 7
@@ -190,11 +191,11 @@ def test_protection_is_capped_when_most_objects_were_read() -> None:
 def put_touched(t: CpuTier, names: list[str], passes: int = 0) -> None:
     """A put, then the touch with passes that the worker gives a chain once stored."""
     put(t, names)
-    t.touch_many([StoreKey(n) for n in names], passes)
+    t.retention.touch([StoreKey(n) for n in names], passes)
 
 
 def test_passes_granted_by_a_touch_outlast_recency_until_spent() -> None:
-    """``touch_many(keys, passes)`` (``eviction_order: worth``) without ``second_chance``:
+    """``retention.touch(keys, passes)`` (``eviction_order: worth``) without ``second_chance``:
     a chain given two passes is passed over twice when it comes round as the least
     recent, then goes; another touch grants passes anew, replacing those left; plain
     LRU passes nothing over."""
@@ -209,13 +210,13 @@ def test_passes_granted_by_a_touch_outlast_recency_until_spent() -> None:
 
     t = tier(False)
     put_touched(t, worth, 3)
-    t.touch_many([StoreKey(n) for n in worth], 0)  # replaced: none left
+    t.retention.touch([StoreKey(n) for n in worth], 0)  # replaced: none left
     put_touched(t, [f"once/{i}" for i in range(7)])
     assert t.contains_many([StoreKey(n) for n in worth]) == [False, True]
 
     t = tier(False)
     put_touched(t, worth, 3)
-    t.use_plain_lru(True)
+    t.retention.use_plain_lru(True)
     put_touched(t, [f"once/{i}" for i in range(7)])
     assert t.contains_many([StoreKey(n) for n in worth]) == [False, True]
     t.check_integrity()
@@ -243,7 +244,7 @@ def test_a_use_restores_the_passes_and_new_objects_wait_for_theirs() -> None:
     put(t, ["new/0", "new/1"])  # stored, not touched yet: the most passes
     assert t.contains_many([StoreKey("new/0"), StoreKey("new/1")]) == [True, True]
     assert t.contains_many([StoreKey("old/0")]) == [False]  # old/0 went, its pass spent
-    t.touch_many([StoreKey("new/0"), StoreKey("new/1")], 0)  # their chain's touch
+    t.retention.touch([StoreKey("new/0"), StoreKey("new/1")], 0)  # their chain's touch
     put(t, ["new/2"])  # old/1 has spent its pass: it goes
     assert t.contains_many([StoreKey("new/0"), StoreKey("old/1")]) == [True, False]
     t.check_integrity()

@@ -249,7 +249,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         if self._worker is not None:
             meta = self._meta()
-            self._worker.use_modes(plain_lru=meta.plain_lru, keep_slower=meta.keep_slower)
+            self._worker.use_mode(meta.mode)
             self._worker.save(meta.stores)
             self._worker.admit(meta.admitted)
 

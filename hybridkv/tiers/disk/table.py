@@ -335,7 +335,7 @@ class SegmentTable:
         reused ones not hit since, then the rest (``Segment.kept``; a reused block that
         was only written again, a document asked twice, goes before one read back since,
         a system prompt); None when too few are idle. Admission sends a store that was not
-        reused on only where this picks no marked segment (``DiskTier.evicts_reused``);
+        reused on only where this picks no marked segment (``DiskRetention.evicts_reused``);
         one that comes anyway (``admission: all``, marks left from an earlier run) still
         finds room. (Segmented LRU without a cap on the protected part: a part kept for
         first sightings would cost more reused hits than it wins second sightings.)

@@ -18,6 +18,7 @@ objects admitted as reused, and of those the ones hit since, go last:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -46,6 +47,7 @@ from hybridkv.tiers.disk.scan import ScanReport
 from hybridkv.tiers.disk.segments import SLOT_BYTES, Geometry, Slot, SlotState, slot_offset
 from hybridkv.tiers.disk.table import SegmentTable
 from hybridkv.tiers.log_once import LogOnce
+from hybridkv.tiers.retention import TierRetention
 
 __all__ = ["DiskConfig", "DiskTier", "DiskTierInUse", "FsyncPolicy", "ScanReport"]
 
@@ -96,6 +98,10 @@ class DiskTier(BookkeepingTier):
             else None
         )
 
+    @functools.cached_property
+    def retention(self) -> DiskRetention:
+        return DiskRetention(self)
+
     @property
     def quarantine(self) -> Quarantine:
         return self._dir.quarantine
@@ -112,48 +118,6 @@ class DiskTier(BookkeepingTier):
             self._stats.queries += len(keys)
             self._stats.hits += len(found)
         return [row >= 0 for row in rows]
-
-    def note_reused_many(self, keys: Sequence[StoreKey]) -> None:
-        """Mark the segments holding these keys: they are evicted after all others, and
-        admission sends no store that was not reused on where it would evict them."""
-        digests = digest_words(key_digests(keys))
-        with self._lock:
-            self._check_open()
-            rows = [row for row in self._table.index.find(digests).tolist() if row >= 0]
-            for segment in self._table.segments_at(rows):
-                self._dir.mark_reused(segment)
-
-    def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
-        """``Tier.touch_many`` by segment: those holding these keys become the most
-        recently used, ordered by the last key each holds. A chain touched last block
-        first so keeps the segment of its first blocks, which every hit reads, longest;
-        left in write order, the disk would evict a prompt's first blocks first and keep
-        its tail, which no hit can use without them. ``passes`` are ignored: the disk
-        passes over whole segments, those hit since marked reused (``SegmentTable``)."""
-        if self.read_only:
-            return
-        digests = digest_words(key_digests(keys))
-        with self._lock:
-            self._check_open()
-            rows = [row for row in self._table.index.find(digests).tolist() if row >= 0]
-            for segment in self._table.segments_at(rows):
-                if self._table.holds(segment):
-                    self._table.use(segment)
-                    self._dir.touch(segment)
-
-    def use_plain_lru(self, on: bool) -> None:
-        """While ``on``, segments go least recently used first, marks or not (kept)."""
-        with self._lock:
-            self._table.plain_lru = on
-
-    def evicts_reused(self, num_bytes: int) -> bool | None:
-        """Whether ``num_bytes`` more find no room without evicting a segment that holds
-        an object noted reused (or without waiting for busy ones)."""
-        with self._lock:
-            self._check_open()
-            geometry = self._table.geometry  # whole segments, each of one data area
-            victims = self._table.victims(-(-num_bytes // geometry.data_bytes) * geometry.size)
-            return victims is None or any(victim.reused for victim in victims)
 
     def _any_lost(self, rows: list[int]) -> bool:
         """Drop the segments of these index rows whose files were removed from outside."""
@@ -175,19 +139,6 @@ class DiskTier(BookkeepingTier):
     ) -> list[PutStatus]:
         """Reserve in batch order, write runs of slots in parallel, commit in batch order."""
         return self._put(keys, buffers, checksums, reused=False)
-
-    def put_reused_many(
-        self,
-        keys: Sequence[StoreKey],
-        buffers: Sequence[Buffer],
-        checksums: Sequence[int] | None = None,
-    ) -> list[PutStatus]:
-        """Into segments of their own, so that no unreused object shares their protection."""
-        results = self._put(keys, buffers, checksums, reused=True)
-        stored = [key for key, r in zip(keys, results, strict=True) if r is PutStatus.EXISTS]
-        if stored:
-            self.note_reused_many(stored)  # stored already, in other segments
-        return results
 
     def _put(
         self,
@@ -410,3 +361,72 @@ class DiskTier(BookkeepingTier):
                 slot = segments.parse_slot(raw, segment.header, segment.size)
                 assert isinstance(slot, Slot) and slot.state is SlotState.LIVE, (digest, slot)
                 assert (slot.digest, slot.offset) == (digest, entry.offset), digest.hex()
+
+
+class DiskRetention(TierRetention):
+    """``DiskTier.retention``: by segment. Touched segments become the most recent;
+    objects admitted as reused go into segments of their own, which are evicted after
+    all others (``SegmentTable``)."""
+
+    tier: DiskTier
+
+    def __init__(self, tier: DiskTier) -> None:
+        super().__init__(tier)
+
+    def note_reused(self, keys: Sequence[StoreKey]) -> None:
+        """Mark the segments holding these keys: they are evicted after all others, and
+        admission sends no store that was not reused on where it would evict them."""
+        tier = self.tier
+        digests = digest_words(key_digests(keys))
+        with tier._lock:
+            tier._check_open()
+            rows = [row for row in tier._table.index.find(digests).tolist() if row >= 0]
+            for segment in tier._table.segments_at(rows):
+                tier._dir.mark_reused(segment)
+
+    def put_reused(
+        self,
+        keys: Sequence[StoreKey],
+        buffers: Sequence[Buffer],
+        checksums: Sequence[int] | None = None,
+    ) -> list[PutStatus]:
+        """Into segments of their own, so that no unreused object shares their protection."""
+        results = self.tier._put(keys, buffers, checksums, reused=True)
+        stored = [key for key, r in zip(keys, results, strict=True) if r is PutStatus.EXISTS]
+        if stored:
+            self.note_reused(stored)  # stored already, in other segments
+        return results
+
+    def touch(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
+        """Segments holding these keys become the most recently used, ordered by the last
+        key each holds. A chain touched last block first so keeps the segment of its
+        first blocks, which every hit reads, longest; left in write order, the disk
+        would evict a prompt's first blocks first and keep its tail, which no hit can
+        use without them. ``passes`` are ignored: the disk passes over whole segments,
+        those hit since marked reused (``SegmentTable``)."""
+        tier = self.tier
+        if tier.read_only:
+            return
+        digests = digest_words(key_digests(keys))
+        with tier._lock:
+            tier._check_open()
+            rows = [row for row in tier._table.index.find(digests).tolist() if row >= 0]
+            for segment in tier._table.segments_at(rows):
+                if tier._table.holds(segment):
+                    tier._table.use(segment)
+                    tier._dir.touch(segment)
+
+    def use_plain_lru(self, on: bool) -> None:
+        """While ``on``, segments go least recently used first, marks or not (kept)."""
+        with self.tier._lock:
+            self.tier._table.plain_lru = on
+
+    def evicts_reused(self, num_bytes: int) -> bool | None:
+        """Whether ``num_bytes`` more find no room without evicting a segment that holds
+        an object noted reused (or without waiting for busy ones)."""
+        tier = self.tier
+        with tier._lock:
+            tier._check_open()
+            geometry = tier._table.geometry  # whole segments, each of one data area
+            victims = tier._table.victims(-(-num_bytes // geometry.data_bytes) * geometry.size)
+            return victims is None or any(victim.reused for victim in victims)

@@ -3,10 +3,10 @@
 Worker process, any thread. ``SlowerAdmission`` decides which stores of a
 ``TieredStore`` go past the first tier, sends them, and counts them per slower
 tier: every store with ``Admission.ALL``; with ``Admission.REUSED`` what
-``admit_many`` names, and every store while the slower tiers still have room
-for it (``tiers.admission``, ``tiers.tiered.room``). Blocks in the first tier's
-memory go on borrowed, not copied (``tiers.tiered.in_place``); without that
-memory they are read out first.
+``admit_many`` names (``StackRetention.admit``), and every store while the
+slower tiers still have room for it (``tiers.admission``, ``tiers.tiered.room``).
+Blocks in the first tier's memory go on borrowed, not copied
+(``tiers.tiered.in_place``); without that memory they are read out first.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hybridkv.tiers.base import Buffer, GetStatus, StoreKey, Tier
+from hybridkv.tiers.retention import StackMode
 from hybridkv.tiers.tiered.guard import TierGuard
 from hybridkv.tiers.tiered.in_place import StoreMemory
 from hybridkv.tiers.tiered.room import SlowerRoom
@@ -66,7 +67,7 @@ class SlowerAdmission:
         """Every store goes on to the slower tiers (else only what is admitted)."""
         self._plain_lru = False
         """For now every store goes on, and the tiers evict by recency alone
-        (``use_plain_lru``)."""
+        (``StackMode.PLAIN_LRU``)."""
         self._memory = memory
         self._write_back = write_back
         self._read_first = read_first
@@ -78,7 +79,7 @@ class SlowerAdmission:
         self._num_lost = 0
         self._reused_pending: set[StoreKey] = set()
         """Admitted by ``admit_many``, not written yet: noted reused in the slower tiers
-        once written (``Tier.note_reused_many``)."""
+        once written (``TierRetention.note_reused``)."""
         self._lock = threading.Lock()
 
     def goes_on(self, num_bytes: int) -> bool:
@@ -87,15 +88,12 @@ class SlowerAdmission:
         (the bytes then count as sent)."""
         return self._sends_all or self._plain_lru or self._room.take(num_bytes)
 
-    def use_plain_lru(self, on: bool) -> None:
-        """While ``on``, every store goes on past the first tier."""
-        self._plain_lru = on
-
-    def keep_slower(self, on: bool) -> None:
-        """While ``on``, stores go on only into the slower tiers' free room, and admitted
-        blocks only where they evict nothing but blocks admitted before: the slower
-        tiers keep what they hold (``connector.returns.KeptReturns``)."""
-        self._room.free_only = on
+    def use_mode(self, mode: StackMode) -> None:
+        """With ``PLAIN_LRU`` every store goes on past the first tier; with ``KEEP_SLOWER``
+        stores go on only into the slower tiers' free room, and admitted blocks only
+        where they evict nothing but blocks admitted before (``connector.returns``)."""
+        self._plain_lru = mode is StackMode.PLAIN_LRU
+        self._room.free_only = mode is StackMode.KEEP_SLOWER
 
     def _note_reused_below(self, keys: Sequence[StoreKey]) -> None:
         """Admitted keys the first tier does not hold (a load read them from a slower
@@ -103,7 +101,7 @@ class SlowerAdmission:
         the blocks hit there are not evicted for first sightings."""
         if keys:
             for index, tier in enumerate(self._tiers[1:], start=1):
-                self._guard.call(index, "note reused", None, tier.note_reused_many, keys)
+                self._guard.call(index, "note reused", None, tier.retention.note_reused, keys)
 
     def admit_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> int:
         """Send blocks held in the first tier on to the slower tiers (write-back, or now

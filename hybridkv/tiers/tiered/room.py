@@ -12,7 +12,7 @@ answers over the network, so its usage is read at most once per
 read once a second would make a full disk look fuller the more batches came in
 that second, and hold back more the busier the machine.) Once a tier is full, a
 batch still goes on where what it would evict there holds nothing admitted as
-reused (``Tier.evicts_reused``, False): evicting one unreused block for
+reused (``TierRetention.evicts_reused``, False): evicting one unreused block for
 another is plain recency, which admission must not lose to. A tier that
 cannot tell its capacity or its victim (Mooncake; Valkey without
 ``maxmemory``, or full) takes only reused blocks.
@@ -58,7 +58,8 @@ class SlowerRoom:
         self._read_at: float | None = None
         self._lock = threading.Lock()
         self.free_only = False
-        """Only free room counts: nothing is evicted for what goes on (``keep_slower``)."""
+        """Only free room counts: nothing is evicted for what goes on
+        (``StackMode.KEEP_SLOWER``)."""
 
     def take(self, num_bytes: int) -> bool:
         """True when every slower tier has room for ``num_bytes`` besides what is still
@@ -99,9 +100,9 @@ class SlowerRoom:
             return True
 
     def _victim_reused(self, index: int, num_bytes: int) -> bool | None:
-        """``Tier.evicts_reused`` of the slower tier ``index`` (None: it cannot tell)."""
-        tier = self._tiers[index]
-        return self._guard.call(index, "victim", None, tier.evicts_reused, num_bytes)
+        """``evicts_reused`` of the slower tier ``index`` (None: it cannot tell)."""
+        retention = self._tiers[index].retention
+        return self._guard.call(index, "victim", None, retention.evicts_reused, num_bytes)
 
     def _read_free(self, index: int) -> int | None:
         usage: TierUsage | None = self._guard.call(index, "usage", None, self._tiers[index].usage)

@@ -8,9 +8,9 @@ tier synchronously and reach the others through the write-back queue; a
 transfer may also store into the first tier's memory in place (``memory()``,
 ``tiers.tiered.in_place``), and what it commits is sent on the same way,
 borrowed rather than copied. With ``Admission.REUSED`` stores stop at the first
-tier once the others are full, and ``admit_many`` sends on the blocks someone
-judged worth keeping (``tiers.admission``, ``tiers.tiered.admission``,
-``tiers.tiered.room``). A tier that raises never
+tier once the others are full, and ``retention.admit`` sends on the blocks
+someone judged worth keeping (``tiers.admission``, ``tiers.tiered.admission``,
+``tiers.tiered.room``, ``tiers.tiered.retention``). A tier that raises never
 breaks the store: the error is logged once, counted, and answered as a miss
 (``tiers.tiered.guard``).
 """
@@ -39,6 +39,7 @@ from hybridkv.tiers.tiered.admission import SlowerAdmission
 from hybridkv.tiers.tiered.changes import ChangeLog, KeyChange
 from hybridkv.tiers.tiered.guard import TierGuard
 from hybridkv.tiers.tiered.in_place import StoreMemory
+from hybridkv.tiers.tiered.retention import StackRetention
 from hybridkv.tiers.tiered.write_back import WriteBack, WriteBackStats
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class TieredStore(Tier):
     ``write_back`` the others receive them asynchronously, without it
     synchronously. With ``promote``, a block read from another tier is copied
     into the first tier that ``accepts_promotions`` (best effort). With
-    ``Admission.REUSED`` the others receive what ``admit_many`` names, and other
+    ``Admission.REUSED`` the others receive what ``retention.admit`` names, and other
     stores only while they have room (``tiers.tiered.room``).
     """
 
@@ -281,7 +282,7 @@ class TieredStore(Tier):
         reused: bool = False,
     ) -> list[PutStatus]:
         tier = self.tiers[index]
-        put_many = tier.put_reused_many if reused else tier.put_many
+        put_many = tier.retention.put_reused if reused else tier.put_many
         what = "put reused" if reused else what
         answers = self._guard.batch(
             index, what, PutStatus.ERROR, put_many, keys, buffers, checksums
@@ -292,7 +293,7 @@ class TieredStore(Tier):
 
     def _write_lower(self, keys: Sequence[StoreKey], buffers: Sequence[Buffer]) -> int:
         """Write-back thread: put into every tier but the first, those admitted as reused
-        with ``put_reused_many``; returns failures."""
+        with ``TierRetention.put_reused``; returns failures."""
         reused = set(self._admission.take_reused(keys))
         parts = [(keys, buffers, False)]
         if reused:
@@ -323,28 +324,10 @@ class TieredStore(Tier):
             self._stats.put_bytes += sum(len(view) for view in views)
         self._admission.send_on(keys, views)
 
-    def admit_many(self, keys: Sequence[StoreKey], sizes: Sequence[int]) -> int:
-        """Send blocks held in the first tier on to the slower tiers; returns how many
-        were there to send (``SlowerAdmission.admit_many``)."""
-        return self._admission.admit_many(keys, sizes)
-
-    def use_plain_lru(self, on: bool) -> None:
-        """While ``on`` (``connector.returns``), every store goes on past the first
-        tier, and each tier evicts least recently used first."""
-        self._admission.use_plain_lru(on)
-        for index, tier in enumerate(self.tiers):
-            self._guard.call(index, "plain lru", None, tier.use_plain_lru, on)
-
-    def keep_slower(self, on: bool) -> None:
-        """While ``on`` (``connector.returns.KeptReturns``), the slower tiers keep what they
-        hold (``SlowerAdmission.keep_slower``): it is hit when it comes back, not pushed
-        out by the next conversation of a cycle too long for them."""
-        self._admission.keep_slower(on)
-
-    def touch_many(self, keys: Sequence[StoreKey], passes: int | None = None) -> None:
-        """Passed to every tier (those that evict by recency reorder, see ``Tier.touch_many``)."""
-        for index, tier in enumerate(self.tiers):
-            self._guard.call(index, "touch", None, tier.touch_many, keys, passes)
+    @functools.cached_property
+    def retention(self) -> StackRetention:
+        """Hints for every tier, the store's ``StackMode``, and admission (``admit``)."""
+        return StackRetention(self, self.tiers, self._guard, self._admission)
 
     def delete_many(self, keys: Sequence[StoreKey]) -> int:
         """Remove from every tier (and from the write-back queue); returns keys found anywhere."""

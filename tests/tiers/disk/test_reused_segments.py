@@ -28,7 +28,7 @@ def keys(name: str, count: int = PER_SEGMENT) -> list[StoreKey]:
 
 def put(disk: Tier, batch: list[StoreKey], *, reused: bool = False) -> None:
     buffers = [payload(k, OBJECT) for k in batch]
-    put_many = disk.put_reused_many if reused else disk.put_many
+    put_many = disk.retention.put_reused if reused else disk.put_many
     assert put_many(batch, buffers) == [PutStatus.OK] * len(batch)
 
 
@@ -59,11 +59,11 @@ def test_reused_objects_get_segments_of_their_own_marked_on_disk(tmp_path: Path)
         put(disk, keys("more plain", 1))  # fills the plain segment
         assert not flag_of(tmp_path, plain[0])
         three = 3 * PER_SEGMENT * OBJECT  # two free segments and the plain one
-        assert disk.evicts_reused(three) is False
-        disk.note_reused_many(plain)  # stored before as not reused: its segment is marked
+        assert disk.retention.evicts_reused(three) is False
+        disk.retention.note_reused(plain)  # stored before as not reused: its segment is marked
         assert flag_of(tmp_path, plain[0])
-        assert disk.evicts_reused(three) is True
-        assert disk.evicts_reused(2 * PER_SEGMENT * OBJECT) is False
+        assert disk.retention.evicts_reused(three) is True
+        assert disk.retention.evicts_reused(2 * PER_SEGMENT * OBJECT) is False
         disk.check_integrity()
 
 
@@ -71,10 +71,10 @@ def test_a_restarted_tier_evicts_unmarked_segments_first(tmp_path: Path) -> None
     oldest, reused = keys("oldest"), keys("reused")
     with tier(tmp_path) as disk:
         put(disk, oldest)
-        disk.note_reused_many(oldest)
+        disk.retention.note_reused(oldest)
         put(disk, reused, reused=True)
     with tier(tmp_path) as disk:  # the marks come back from the headers
-        assert disk.evicts_reused(3 * PER_SEGMENT * OBJECT) is True  # two segments free
+        assert disk.retention.evicts_reused(3 * PER_SEGMENT * OBJECT) is True  # two segments free
         later = keys("later", 4 * PER_SEGMENT)
         for start in range(0, len(later), PER_SEGMENT):
             put(disk, later[start : start + PER_SEGMENT])
@@ -109,11 +109,11 @@ def test_a_disk_full_of_marked_segments_still_takes_stores(tmp_path: Path) -> No
         for start in range(0, len(marked), PER_SEGMENT):
             put(disk, marked[start : start + PER_SEGMENT], reused=True)
         assert disk.usage().used_bytes == disk.usage().capacity_bytes
-        assert disk.evicts_reused(1) is True
+        assert disk.retention.evicts_reused(1) is True
         put(disk, keys("plain"))
         assert disk.contains_many(marked[:PER_SEGMENT]) == [False] * PER_SEGMENT
         assert disk.contains_many(marked[PER_SEGMENT:]) == [True] * 3 * PER_SEGMENT
-        assert disk.evicts_reused(1) is False  # the plain segment goes next
+        assert disk.retention.evicts_reused(1) is False  # the plain segment goes next
         disk.check_integrity()
 
 
@@ -162,7 +162,7 @@ def test_putting_as_reused_a_key_stored_plain_marks_its_segment(tmp_path: Path) 
         put(disk, plain)
         assert not flag_of(tmp_path, plain[0])
         buffers = [payload(k, OBJECT) for k in plain]
-        assert disk.put_reused_many(plain, buffers) == [PutStatus.EXISTS]
+        assert disk.retention.put_reused(plain, buffers) == [PutStatus.EXISTS]
         assert flag_of(tmp_path, plain[0])  # marked where it is, not written again
         assert disk.usage().num_objects == 1
         disk.check_integrity()

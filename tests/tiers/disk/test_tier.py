@@ -122,7 +122,7 @@ def test_a_chain_touched_last_block_first_keeps_its_first_blocks_longest(tmp_pat
     others = [key(f"other/{i}") for i in range(6)]
     for k in [*chain, *others[:4]]:  # C=(o0, o1), D=(o2, o3)
         assert tier.put_many([k], [payload(k, size)]) == [PutStatus.OK]
-    tier.touch_many(chain[::-1])  # order now C, D, B, A: the chain's first blocks newest
+    tier.retention.touch(chain[::-1])  # order now C, D, B, A: the chain's first blocks newest
     tier.put_many(others[4:5], [payload(others[4], size)])  # evicts C
     tier.put_many(others[5:6], [payload(others[5], size)])  # fills E
     assert tier.contains_many(chain) == [True] * 4
@@ -147,7 +147,7 @@ def test_keys_a_read_only_tier_is_told_to_touch_change_nothing(tmp_path: Path) -
         writer.put_many([k], [payload(k, size)])
     reader = disk_tier(tmp_path, read_only=True, **config)  # type: ignore[arg-type]
     mtimes = [p.stat().st_mtime_ns for p in segment_files(tmp_path)]
-    reader.touch_many(keys[::-1])
+    reader.retention.touch(keys[::-1])
     assert [p.stat().st_mtime_ns for p in segment_files(tmp_path)] == mtimes
     reader.close()
     writer.close()

@@ -1,5 +1,5 @@
 """TieredStore's admission over a real CpuTier and DiskTier: with ``reused`` a store
-stops at the first tier once the disk is full, until ``admit_many`` sends it on;
+stops at the first tier once the disk is full, until ``retention.admit`` sends it on;
 while the disk has room, and always with ``all``, it goes on."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from hybridkv.tiers.admission import Admission
 from hybridkv.tiers.base import GetStatus, PutStatus, StoreKey, Tier
 from hybridkv.tiers.cpu import CpuConfig, CpuTier
 from hybridkv.tiers.disk.tier import DiskConfig, DiskTier
+from hybridkv.tiers.retention import StackMode
 from hybridkv.tiers.tiered.store import TieredStore
 
 SIZE = 4096
@@ -41,9 +42,9 @@ def fill(second: DiskTier) -> None:
     filler = key(1000)
     assert second.put_many([filler], [payload(filler)]) == [PutStatus.OK]
     assert second.usage().used_bytes == second.usage().capacity_bytes
-    assert second.evicts_reused(1) is False
-    second.note_reused_many([filler])
-    assert second.evicts_reused(1) is True
+    assert second.retention.evicts_reused(1) is False
+    second.retention.note_reused([filler])
+    assert second.retention.evicts_reused(1) is True
 
 
 def make_store(
@@ -123,7 +124,7 @@ def test_admitted_blocks_go_on_from_the_first_tier(tmp_path: Path, write_back: b
     keys = [key(i) for i in range(8)]
     store_in_place(store, keys)
     absent = key(99)
-    assert store.admit_many([*keys[2:5], absent], [SIZE] * 4) == 3
+    assert store.retention.admit([*keys[2:5], absent], [SIZE] * 4) == 3
     assert on_disk(store, [*keys, absent]) == [False] * 2 + [True] * 3 + [False] * 4
     assert_reads_back(store.tiers[1], keys[2:5])
     disk_stats = store.stats_by_tier()["disk"]
@@ -143,7 +144,7 @@ def test_admission_reads_a_first_tier_without_memory(tmp_path: Path) -> None:
     keys = [key(i) for i in range(4)]
     store_by_put(store, keys)
     assert on_disk(store, keys) == [False] * 4
-    assert store.admit_many([*keys[:2], key(99)], [SIZE] * 3) == 2
+    assert store.retention.admit([*keys[:2], key(99)], [SIZE] * 3) == 2
     assert on_disk(store, keys) == [True] * 2 + [False] * 2
     assert_reads_back(store.tiers[1], keys[:2])
     assert list(store.stats_by_tier().values())[1].admission_lost == 1
@@ -151,14 +152,14 @@ def test_admission_reads_a_first_tier_without_memory(tmp_path: Path) -> None:
     store.close()
 
 
-def test_with_all_admit_many_has_nothing_to_do(tmp_path: Path) -> None:
+def test_with_all_admit_has_nothing_to_do(tmp_path: Path) -> None:
     store = make_store(tmp_path, Admission.ALL)
     keys = [key(i) for i in range(4)]
     store_in_place(store, keys)
-    assert store.admit_many(keys, [SIZE] * 4) == 0
+    assert store.retention.admit(keys, [SIZE] * 4) == 0
     assert store.stats_by_tier()["disk"].admitted == 4
     with pytest.raises(ValueError, match="4 keys but 3 sizes"):
-        store.admit_many(keys, [SIZE] * 3)
+        store.retention.admit(keys, [SIZE] * 3)
     store.close()
 
 
@@ -194,7 +195,7 @@ def test_admitted_blocks_outlive_a_disk_filling_with_blocks_not_reused(
     store_by_put(store, plain)  # the disk has room: they go on
     admitted = [key(100 + i) for i in range(4)]
     assert first.put_many(admitted, [payload(k) for k in admitted]) == [PutStatus.OK] * 4
-    assert store.admit_many(admitted, [SIZE] * 4) == 4
+    assert store.retention.admit(admitted, [SIZE] * 4) == 4
     assert on_disk(store, [*plain, *admitted]) == [True] * 8
     later = [key(200 + i) for i in range(64)]  # four disks' worth of segments
     for start in range(0, len(later), 4):
@@ -209,7 +210,7 @@ def test_admitted_blocks_outlive_a_disk_filling_with_blocks_not_reused(
 
 
 def test_kept_slower_tiers_take_only_free_room(tmp_path: Path, write_back: bool) -> None:
-    """While ``keep_slower``, nothing is evicted on the disk for what goes on: stores go
+    """While ``KEEP_SLOWER``, nothing is evicted on the disk for what goes on: stores go
     on while they fit in free room, then are held back, admissions too; off again, stores
     go on by evicting unreused blocks."""
     segment = 16 * SIZE
@@ -218,7 +219,7 @@ def test_kept_slower_tiers_take_only_free_room(tmp_path: Path, write_back: bool)
     )
     first = CpuTier(CpuConfig(capacity_bytes=64 * SIZE, pin_memory=False))
     store = TieredStore([first, second], admission=Admission.REUSED, write_back=write_back)
-    store.keep_slower(True)
+    store.retention.use_mode(StackMode.KEEP_SLOWER)
     kept: list[StoreKey] = []
     for start in range(0, 256, 4):  # four disks' worth
         batch = [key(i) for i in range(start, start + 4)]
@@ -230,10 +231,10 @@ def test_kept_slower_tiers_take_only_free_room(tmp_path: Path, write_back: bool)
     later = [key(1000 + i) for i in range(64)]
     for start in range(0, len(later), 4):
         store_by_put(store, later[start : start + 4])
-    assert store.admit_many(later[:4], [SIZE] * 4) == 0
+    assert store.retention.admit(later[:4], [SIZE] * 4) == 0
     assert on_disk(store, kept) == [True] * len(kept), "kept: nothing evicted"
     assert not any(on_disk(store, later)), "the full disk took them"
-    store.keep_slower(False)
+    store.retention.use_mode(StackMode.OWN_RULES)
     again = [key(2000 + i) for i in range(8)]
     store_by_put(store, again)
     assert on_disk(store, again) == [True] * 8, "evicting unreused blocks again"
@@ -250,8 +251,8 @@ def test_admitted_blocks_read_from_the_disk_are_noted_reused_there(tmp_path: Pat
     assert second.put_many([loaded], [payload(loaded)]) == [PutStatus.OK]
     first = CpuTier(CpuConfig(capacity_bytes=64 * SIZE, pin_memory=False))
     store = TieredStore([first, second], admission=Admission.REUSED)
-    assert second.evicts_reused(SIZE) is False
-    assert store.admit_many([loaded], [SIZE]) == 0  # not in the first tier
-    assert second.evicts_reused(SIZE) is True
+    assert second.retention.evicts_reused(SIZE) is False
+    assert store.retention.admit([loaded], [SIZE]) == 0  # not in the first tier
+    assert second.retention.evicts_reused(SIZE) is True
     assert store.stats_by_tier()["disk"].admission_lost == 1
     store.close()

@@ -55,7 +55,7 @@ def test_a_disk_is_asked_for_every_batch_with_what_is_queued_for_it(tmp_path: Pa
     clock = Clock()
     queued = [0]
     room, second, first = room_over_disk(tmp_path, clock, queued)
-    second.note_reused_many([put(second, "reused")])  # the next victim is reused
+    second.retention.note_reused([put(second, "reused")])  # the next victim is reused
     free = CAPACITY - SEGMENT
     assert second.usage().used_bytes == SEGMENT
     assert room.take(free)
@@ -66,7 +66,7 @@ def test_a_disk_is_asked_for_every_batch_with_what_is_queued_for_it(tmp_path: Pa
     assert not room.take(free // 2 + 1)
     queued[0] = 0
     written = [put(second, f"written/{name}", SEGMENT // 2) for name in ("a", "b")]
-    second.note_reused_many(written)  # the second needed a new segment, now kept too
+    second.retention.note_reused(written)  # the second needed a new segment, now kept too
     assert second.usage().used_bytes == 2 * SEGMENT  # read at once, no refresh
     assert not room.take(free - SEGMENT + 1)
     assert room.take(free - SEGMENT)
@@ -86,17 +86,17 @@ def test_a_full_disk_takes_stores_while_what_they_evict_holds_nothing_reused(
         put(second, f"fill/{i}", 64 << 10)
         i += 1
     fill = [StoreKey(f"test/room/fill/{j}") for j in range(i)]
-    assert second.evicts_reused(1) is False
+    assert second.retention.evicts_reused(1) is False
     assert room.take(1)  # full, but evicting takes nothing reused: as plain recency
-    second.note_reused_many(oldest[-1:])  # one reused object makes its segment kept
-    assert second.evicts_reused(1) is False  # a segment holding nothing reused is next
+    second.retention.note_reused(oldest[-1:])  # one reused object makes its segment kept
+    assert second.retention.evicts_reused(1) is False  # a segment holding nothing reused is next
     assert room.take(1)
     # The other three segments: as many segments' data areas (less than a segment each).
-    assert second.evicts_reused(CAPACITY - 2 * SEGMENT) is False
-    assert second.evicts_reused(CAPACITY - SEGMENT) is True
+    assert second.retention.evicts_reused(CAPACITY - 2 * SEGMENT) is False
+    assert second.retention.evicts_reused(CAPACITY - SEGMENT) is True
     assert not room.take(CAPACITY)  # a batch bigger than what may be evicted for it
-    second.note_reused_many(fill)  # now every segment holds one
-    assert second.evicts_reused(1) is True
+    second.retention.note_reused(fill)  # now every segment holds one
+    assert second.retention.evicts_reused(1) is True
     clock.now = 1.0
     assert not room.take(1)
     second.close()
@@ -147,10 +147,10 @@ def test_only_a_short_tier_is_asked_what_it_would_evict(tmp_path: Path) -> None:
         ValkeyServer(maxmemory_bytes=64 * MIB) as server,
         ValkeyTier(ValkeyConfig(port=server.valkey_port)) as valkey,
     ):
-        assert valkey.evicts_reused(1) is None  # a pool cannot tell
+        assert valkey.retention.evicts_reused(1) is None  # a pool cannot tell
         room = SlowerRoom([first, disk, valkey], guard)
         assert room.take(MIB)  # the disk evicts an unreused segment; valkey has room
-        disk.note_reused_many([StoreKey(f"test/room/fill/{j}") for j in range(i)])
+        disk.retention.note_reused([StoreKey(f"test/room/fill/{j}") for j in range(i)])
         assert not room.take(MIB)  # now the disk would evict something reused
         assert not room.take(64 * MIB)  # and valkey has no room for this much
     disk.close()
