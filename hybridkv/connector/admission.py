@@ -10,7 +10,9 @@ request's shared prefix are admitted: those its own steps store, and those
 other requests stored before, once this request's steps reach them (the
 engine's own cache may have served them). Decisions go by the prefix, never
 by block: every group's blocks up to a boundary are admitted together, as a
-hit needs all of them.
+hit needs all of them. The same counts give the tier stack's mode for each
+step (``mode``, ``connector.returns``); keeping the slower tiers is only
+considered with ``admission_keep_slower``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class AdmissionTracker:
         *,
         capacity: int,
         sightings: PoolSightings | None = None,
+        keeps: bool = False,
     ) -> None:
         self.model_groups = model_groups
         self.builder = builder
@@ -57,9 +60,9 @@ class AdmissionTracker:
         """Where hashes this engine sees for the first time are marked for other engines."""
         self.returns = ReturnShare(model_groups.hash_block_size)
         """Whether first sightings come back: if most do, the tiers go plain LRU."""
-        self.kept = KeptReturns()
+        self.kept = KeptReturns() if keeps else None
         """Whether the tiers keep what comes back: if most is lost, the slower tiers
-        keep what they hold."""
+        keep what they hold (None: they never do, ``admission_keep_slower`` off)."""
         self.held = SeenHashes(max(1, capacity // 8))
         """Hashes first seen while the slower tiers kept what they held: what they did
         not take."""
@@ -73,12 +76,14 @@ class AdmissionTracker:
         num_tiers: int,
         capacity: int,
         sightings: PoolSightings | None = None,
+        *,
+        keeps: bool = False,
     ) -> AdmissionTracker | None:
         """A tracker for ``Admission.REUSED`` over several tiers; None where every stored
         block reaches every tier (``Admission.ALL``, or one tier)."""
         if admission is not Admission.REUSED or num_tiers <= 1:
             return None
-        return cls(model_groups, builder, capacity=capacity, sightings=sightings)
+        return cls(model_groups, builder, capacity=capacity, sightings=sightings, keeps=keeps)
 
     def note(self, st: RequestState) -> None:
         """The request's hashes not noted yet; those another request noted first (here,
@@ -109,7 +114,7 @@ class AdmissionTracker:
         (``connector.returns``)."""
         if self.returns.plain_lru:
             return StackMode.PLAIN_LRU
-        if self.kept.keep_slower:
+        if self.kept is not None and self.kept.keep_slower:
             return StackMode.KEEP_SLOWER
         return StackMode.OWN_RULES
 
@@ -117,7 +122,7 @@ class AdmissionTracker:
         """The tiers were asked for the request: once per request with a shared prefix
         beyond the engine's own cache, whether they hit any of it."""
         shared_tokens = st.shared_hashes * self.model_groups.hash_block_size
-        if st.return_judged or shared_tokens <= engine_tokens:
+        if self.kept is None or st.return_judged or shared_tokens <= engine_tokens:
             return
         st.return_judged = True
         if hit_tokens > engine_tokens:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 from pydantic.dataclasses import dataclass
 
 from hybridkv.connector.admission import DEFAULT_SEEN_HASHES
@@ -100,12 +100,24 @@ class ConnectorConfig:
                 "again, every group's blocks of a prefix that two requests reached (looked "
                 "up, computed or loaded); the rest stays in the first tier until evicted "
                 "there; while most blocks seen once are seen again, every tier goes plain "
-                "LRU instead; while most prefixes seen again were lost by the tiers (a cycle "
-                "longer than they hold), the slower tiers keep what they hold, taking only "
-                "free room (admitted blocks may replace admitted ones)"
+                "LRU instead"
             )
         ),
     ] = Admission.ALL
+    admission_keep_slower: Annotated[
+        StrictBool,
+        Field(
+            description=(
+                "with admission reused: while most requests that come back to a prefix "
+                "reached before find none of it in the tiers (a cycle of prompts longer "
+                "than the tiers hold, each evicted just before it returns), the slower "
+                "tiers keep what they hold, taking stores only into free room (admitted "
+                "blocks may replace admitted ones), so some of the cycle hits; where "
+                "prefixes come back in no such order it can cost about a tenth of the hits "
+                "(docs/DECISIONS.md, tiers under pressure)"
+            )
+        ),
+    ] = False
     admission_seen_hashes: Annotated[
         StrictInt,
         Field(

@@ -76,6 +76,7 @@ class ConnectorScheduler:
         eagle_group_ids: frozenset[int] | None = None,
         admission: Admission = Admission.ALL,
         admission_seen_hashes: int = DEFAULT_SEEN_HASHES,
+        admission_keep_slower: bool = False,
         sighting_tier: Tier | None = None,
         sighting_ttl_s: int = DEFAULT_SIGHTING_TTL_S,
         handoff_group_ids: frozenset[int] = frozenset(),
@@ -114,6 +115,7 @@ class ConnectorScheduler:
             lookup.num_tiers,
             admission_seen_hashes,
             sightings,
+            keeps=admission_keep_slower,
         )
         """None: every stored block reaches every tier (or there is one tier)."""
 

@@ -188,6 +188,7 @@ def build_scheduler(
         eagle_group_ids=facts.eagle_group_ids or None,
         admission=config.admission,
         admission_seen_hashes=config.admission_seen_hashes,
+        admission_keep_slower=config.admission_keep_slower,
         sighting_tier=sighting_tier(config, rank_tiers),
         sighting_ttl_s=config.admission_sighting_ttl_s,
         handoff_group_ids=facts.handoff_group_ids,

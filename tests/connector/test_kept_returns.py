@@ -1,7 +1,7 @@
-"""``admission: reused`` keeps what the slower tiers hold while most returning
-prefixes were lost there (``connector.returns.KeptReturns``): a cycle of prompts
-longer than the tiers evicts each just before it comes back, and keeping what is
-held makes some of them hit. Prefixes lost because they were held back while
+"""``admission: reused`` with ``admission_keep_slower`` keeps what the slower tiers
+hold while most returning prefixes were lost there (``connector.returns.KeptReturns``):
+a cycle of prompts longer than the tiers evicts each just before it comes back, and
+keeping what is held makes some of them hit. Prefixes lost because they were held back while
 keeping count against it, so a workload that keeps coming back to new prefixes
 brings the tiers back to their rule."""
 
@@ -48,17 +48,19 @@ def test_returns_lost_because_they_were_held_back_lead_out_of_keeping() -> None:
     assert not kept.keep_slower, "keeping is what lost them"
 
 
-@pytest.mark.parametrize("shape", [(GroupKind.MAMBA, GroupKind.FULL)], ids=["mamba+full"])
-def test_a_cycle_longer_than_the_tiers_hits_what_they_keep(
-    tmp_path: Path, shape: tuple[GroupKind, ...]
-) -> None:
+@pytest.mark.parametrize("keep", [True, False], ids=["keeping", "not keeping"])
+def test_a_cycle_longer_than_the_tiers_hits_what_they_keep(tmp_path: Path, keep: bool) -> None:
     """Twelve prompts sent twice in the same order through tiers with room for about five
-    (a 256 B block takes a 4 KiB page on the disk): the second pass hits some of them
-    (under recency alone each is evicted just before it comes back, and none would),
-    and the engine's last metadata keeps."""
-    model_groups = make_groups(shape, block_size=BLOCK_SIZE)
+    (a 256 B block takes a 4 KiB page on the disk): with ``admission_keep_slower`` the
+    second pass hits some of them and the engine's last metadata keeps; without it
+    (recency alone) each is evicted just before it comes back, and none hits."""
+    model_groups = make_groups((GroupKind.MAMBA, GroupKind.FULL), block_size=BLOCK_SIZE)
     config = make_config(
-        tmp_path, admission="reused", cpu_capacity_bytes="64KiB", disk_capacity_bytes="3MiB"
+        tmp_path,
+        admission="reused",
+        admission_keep_slower=keep,
+        cpu_capacity_bytes="64KiB",
+        disk_capacity_bytes="3MiB",
     )
     engine = make_engine(model_groups, config)
     try:
@@ -69,7 +71,11 @@ def test_a_cycle_longer_than_the_tiers_hits_what_they_keep(
         hits = []
         for i, tokens in enumerate(prompts):
             hits.append(run_request(engine, f"again {i}", tokens + prompt(8, seed=i), CHUNK))
-        assert engine.last_meta.mode is StackMode.KEEP_SLOWER
-        assert sum(h > 0 for h in hits) >= 3, hits  # 5 here; none under recency alone
+        if keep:
+            assert engine.last_meta.mode is StackMode.KEEP_SLOWER
+            assert sum(h > 0 for h in hits) >= 3, hits  # 5 here
+        else:
+            assert engine.last_meta.mode is StackMode.OWN_RULES
+            assert sum(h > 0 for h in hits) == 0, hits
     finally:
         close_engine(engine)

@@ -5,7 +5,8 @@ A Qwen3-Next-shaped tiny model (a Mamba group and a full-attention group): a hit
 reads every full-attention block up to its end and the Mamba state at its end, and
 vLLM keeps that state only where a step ended. Seven two-turn conversations go
 through a CPU tier and a disk tier that together hold about three of their first
-turns, sized in the engine's pages, with ``admission: reused``. Whatever the tiers
+turns, sized in the engine's pages, with ``admission: reused`` and
+``admission_keep_slower``. Whatever the tiers
 keep, every second turn gives the engine alone's greedy tokens. The second turns come
 in the order of the first: under recency alone each conversation is evicted just
 before it comes back. The first second turn finds its prefix lost, so the slower
@@ -97,6 +98,7 @@ def _second_turns(harness: Harness) -> tuple[list[dict[str, Any]], list[dict[str
     cpu_bytes, disk_bytes, segment_bytes = _tier_sizes(engine_facts(alone, "alone"))
     connector: dict[str, Any] = {
         "admission": "reused",
+        "admission_keep_slower": True,
         "tiers": [
             {"kind": "cpu", "capacity_bytes": cpu_bytes},
             {

@@ -61,6 +61,7 @@ def make_engine(
         selection=config.selection,
         admission=config.admission,
         admission_seen_hashes=config.admission_seen_hashes,
+        admission_keep_slower=config.admission_keep_slower,
         sighting_tier=sighting_tier(config, store.tiers),
         sighting_ttl_s=config.admission_sighting_ttl_s,
     )
