@@ -20,15 +20,13 @@ passed over ``round(r) - 1`` times when it comes round to be evicted (at most
 ``MAX_PASSES``), and again after each use, so it stays about ``r`` times as
 long. Chains all worth the same (a model of full-attention groups alone,
 every block of every group stored, or prompts all alike) get no pass and
-keep plain chain order: against the least possible instead, chains all
-worth 1.9 (the eviction bench's sliding-window shape) each got a pass, and
-the tier's clock of passes, not quite recency, cost up to 6% of the hits on
-its mixed workload. Every block of the chain gets its passes: a state or
-window a step left earlier in the chain is where a request that shares only
-that prefix (a system prompt with a new question, a document asked again)
-hits, and where chain order falls back as the tail goes. (Passes for the end
-hit's blocks alone, tried, lost half of the documents' hits on the eviction
-bench's mixed workload, Mamba shape.)
+keep plain chain order: measured against the least a chain could be worth,
+chains all alike would each get passes, and a clock of passes is not quite
+recency. Every block of the chain gets its passes: a state or window a step
+left earlier in the chain is where a request that shares only that prefix
+(a system prompt with a new question, a document asked again) hits, and
+where chain order falls back as the tail goes. (docs/DECISIONS.md has what
+the other choices cost.)
 
 Prefill saved is counted in tokens: attention's work grows with the context,
 but the hybrid models this is for have few attention layers, and how that work
