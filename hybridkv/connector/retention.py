@@ -83,8 +83,7 @@ class RetentionPolicy:
         """After a poll: tell the tiers what the stores and loads since changed."""
 
     def use_mode(self, mode: StackMode) -> None:
-        """The scheduler's mode for this step; set before its stores (a store the first
-        tier commits at once goes on by the step's mode)."""
+        """The scheduler's mode for this step (``ConnectorWorker.save`` says when)."""
         self.store.retention.use_mode(mode)
 
     def admit(self, refs: Sequence[BlockRef], storing: Container[StoreKey]) -> None:

@@ -146,8 +146,22 @@ class ConnectorWorker:
             self._loads[plan.req_id] = load
         self._submit_waiting(now)
 
-    def save(self, stores: Sequence[StorePlan]) -> None:
-        """Gather this step's blocks now; the tiers are written in the background."""
+    def save(self, stores: Sequence[StorePlan], mode: StackMode | None = None) -> None:
+        """Gather this step's blocks now; the tiers are written in the background.
+
+        ``mode``: the step's (``StackMode``; None: unchanged). Keeping takes effect
+        before these stores, so that none of them evicts what the slower tiers keep
+        (a store the first tier commits at once goes on at once); every other mode
+        after them, so a switch to or from plain recency starts with the next step's
+        stores (docs/DECISIONS.md, tiers under pressure, has what either order cost).
+        """
+        if mode is StackMode.KEEP_SLOWER:
+            self.retention.use_mode(mode)
+        self._save(stores)
+        if mode is not None:
+            self.retention.use_mode(mode)
+
+    def _save(self, stores: Sequence[StorePlan]) -> None:
         engine = self._engine()
         for plan in stores:
             transfers = (*plan.transfers, *self._evicted(plan.refresh))
@@ -176,11 +190,6 @@ class ConnectorWorker:
                 self.stats.groups[t.group_id].refreshed_blocks += len(gone)
                 out.append(t.picked(gone))
         return out
-
-    def use_mode(self, mode: StackMode) -> None:
-        """The scheduler's mode for this step (``StackMode``, ``connector.returns``); set
-        before its stores: a store the first tier commits at once goes on by it."""
-        self.retention.use_mode(mode)
 
     def admit(self, refs: Sequence[BlockRef]) -> None:
         """Send these stored blocks on to the slower tiers (``Admission.REUSED``): now,

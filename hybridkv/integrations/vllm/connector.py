@@ -249,8 +249,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         if self._worker is not None:
             meta = self._meta()
-            self._worker.use_mode(meta.mode)
-            self._worker.save(meta.stores)
+            self._worker.save(meta.stores, meta.mode)
             self._worker.admit(meta.admitted)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

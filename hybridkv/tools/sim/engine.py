@@ -233,8 +233,7 @@ class SimEngine:
         for s in scheduled:  # the forward pass
             self._compute(self.requests[s.req_id], s.num_scheduled_tokens)
         self.worker.start_loads(meta.loads)
-        self.worker.use_mode(meta.mode)
-        self.worker.save(meta.stores)
+        self.worker.save(meta.stores, meta.mode)
         self.worker.admit(meta.admitted)
         report = self.worker.poll()
         self._take_report(report)
