@@ -106,8 +106,8 @@ class ConnectorMetadata:
     mode: StackMode = StackMode.OWN_RULES
     """How the tiers keep and send on blocks this step: with ``Admission.REUSED`` the
     scheduler switches them to plain recency while most first sightings come back, and
-    to keeping the slower tiers' blocks while most returning prefixes are lost
-    (``connector.returns``)."""
+    (with ``admission_keep_slower``) to keeping the slower tiers' blocks while most
+    returning prefixes are lost (``connector.returns``)."""
 
     @property
     def is_empty(self) -> bool:
