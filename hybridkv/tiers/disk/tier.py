@@ -36,7 +36,7 @@ from hybridkv.tiers.base import (
 )
 from hybridkv.tiers.books import BookkeepingTier
 from hybridkv.tiers.codec import HeaderError, key_digest, key_digests
-from hybridkv.tiers.digest_table import digest_words
+from hybridkv.tiers.digest_table import Digests, digest_words
 from hybridkv.tiers.disk import index, preads, reads, segments
 from hybridkv.tiers.disk.batches import read_tasks, runs
 from hybridkv.tiers.disk.config import DiskConfig, FsyncPolicy
@@ -380,8 +380,7 @@ class DiskRetention(TierRetention):
         digests = digest_words(key_digests(keys))
         with tier._lock:
             tier._check_open()
-            rows = [row for row in tier._table.index.find(digests).tolist() if row >= 0]
-            for segment in tier._table.segments_at(rows):
+            for segment in self._segments_holding(digests):
                 tier._dir.mark_reused(segment)
 
     def put_reused(
@@ -410,11 +409,17 @@ class DiskRetention(TierRetention):
         digests = digest_words(key_digests(keys))
         with tier._lock:
             tier._check_open()
-            rows = [row for row in tier._table.index.find(digests).tolist() if row >= 0]
-            for segment in tier._table.segments_at(rows):
+            for segment in self._segments_holding(digests):
                 if tier._table.holds(segment):
                     tier._table.use(segment)
                     tier._dir.touch(segment)
+
+    def _segments_holding(self, digests: Digests) -> list[Segment]:
+        """The segments holding the stored ones of these keys (``digest_words``), in the
+        order of the last key each holds; the tier's lock is held."""
+        table = self.tier._table
+        rows = [row for row in table.index.find(digests).tolist() if row >= 0]
+        return table.segments_at(rows)
 
     def use_plain_lru(self, on: bool) -> None:
         """While ``on``, segments go least recently used first, marks or not (kept)."""

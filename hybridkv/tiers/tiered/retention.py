@@ -36,10 +36,6 @@ class StackRetention(TierRetention):
         for index, tier in enumerate(self._tiers):
             self._guard.call(index, "touch", None, tier.retention.touch, keys, passes)
 
-    def note_reused(self, keys: Sequence[StoreKey]) -> None:
-        for index, tier in enumerate(self._tiers):
-            self._guard.call(index, "note reused", None, tier.retention.note_reused, keys)
-
     def use_plain_lru(self, on: bool) -> None:
         self.use_mode(StackMode.PLAIN_LRU if on else StackMode.OWN_RULES)
 
